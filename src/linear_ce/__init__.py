@@ -1,0 +1,19 @@
+"""linear_ce: ``cross_entropy(linear(x, W, b), t)`` without the ``(N, V)`` logits.
+
+>>> import torch, linear_ce
+>>> x, W = torch.randn(8, 16, requires_grad=True), torch.randn(100, 16, requires_grad=True)
+>>> loss = linear_ce.linear_cross_entropy(x, W, torch.randint(0, 100, (8,)))
+"""
+
+from linear_ce.functional import linear_cross_entropy
+from linear_ce.module import LinearCrossEntropyLoss
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.output import LinearCrossEntropyOutput
+
+__all__ = [
+    "LinearCrossEntropyLoss",
+    "LinearCrossEntropyOptions",
+    "LinearCrossEntropyOutput",
+    "linear_cross_entropy",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,158 @@
+"""The public function: ``linear_cross_entropy``."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from linear_ce.arguments import check_call
+from linear_ce.ops import chunked_rows, chunked_scalar
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.output import LinearCrossEntropyOutput
+
+__all__ = ["linear_cross_entropy"]
+
+_DEFAULT_OPTIONS = LinearCrossEntropyOptions()
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    shift: bool | int = False,
+    token_weight: torch.Tensor | None = None,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    r"""Cross entropy of a linear projection, without materialising the logits.
+
+    Equal to ``cross_entropy(linear(input, linear_weight, linear_bias)
+    .view(*batch, C, *out_features), target, weight=weight,
+    ignore_index=ignore_index, reduction=reduction,
+    label_smoothing=label_smoothing)`` but computed over chunks of rows, so
+    no ``(N, C)`` tensor ever exists: for ``reduction`` "mean"/"sum" the
+    gradients are computed during forward (one pass, three GEMMs) and
+    backward only scales them; for "none" backward recomputes each chunk.
+
+    Per row :math:`i` with logits :math:`s_i` (after softcap) the loss is
+
+    .. math::
+        \ell_i = \tau_i\Big[\sum_j a_{ij}\big(\mathrm{lse}(s_i) - s_{ij}\big)
+                 + \lambda\,\omega_i\,\mathrm{lse}(s_i)^2\Big]
+
+    where :math:`a_{ij}` is torch's (class-weighted, smoothed) target
+    distribution, :math:`\omega_i` the class weight of the target,
+    :math:`\tau_i` the token weight and :math:`\lambda` the z-loss; "mean"
+    divides :math:`\sum_i \ell_i` by :math:`\sum_i \omega_i` (by the number of
+    rows for probability targets), exactly as torch does without extras.
+
+    Args:
+        input: ``(*, F)`` hidden states (``(F)`` for one row).
+        linear_weight: ``(C, F)``, or ``(C, d1, …, dK, F)`` for a K-dimensional loss.
+        target: class indices ``(*)`` / ``(*, d1, …, dK)`` (int64 or int32), or
+            probabilities of the logits' shape ``(*, C, d1, …, dK)`` in the input dtype.
+        linear_bias: ``(C, d1, …, dK)`` or ``None``.
+        weight: class weights ``(C,)`` in the input dtype, or ``None``.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (shape ``(*)`` / ``(*, d1, …, dK)``).
+        ignore_index: class index whose rows are skipped; ``None`` means -100.
+            Not allowed with probability targets.
+        label_smoothing: in ``[0, 1]``, torch's definition.
+        options: :class:`LinearCrossEntropyOptions`; ``None`` means the defaults
+            (chunked). The plain expression is :func:`linear_ce.reference.linear_cross_entropy`.
+        z_loss: :math:`\lambda \ge 0`, adds :math:`\lambda\,\omega_i\,\mathrm{lse}_i^2`
+            per row, reduced like the loss (PaLM's auxiliary loss).
+        return_z_loss: also return the z-loss term alone (detached).
+        return_lse: also return the per-row log-sum-exp (detached), shape as ``"none"``.
+        softcap: if set, logits become ``softcap·tanh(logits/softcap)`` (Gemma 2).
+        shift: ``True`` or ``k``: position ``t`` of the sequence (second-to-last
+            input dimension) predicts label ``t+k``; the last ``k`` positions are
+            ignored. The hidden states are not copied.
+        token_weight: ``(*)`` per-row weights :math:`\tau` multiplied into each
+            row's loss; the "mean" denominator does not include them.
+
+    Returns:
+        The loss, or :class:`LinearCrossEntropyOutput` ``(loss, z_loss, lse)``
+        when ``return_z_loss`` or ``return_lse`` is set.
+
+    Example::
+
+        >>> import torch, linear_ce
+        >>> hidden = torch.randn(2, 16, 64, requires_grad=True)   # (B, T, F)
+        >>> lm_head = torch.randn(1000, 64, requires_grad=True)   # (V, F)
+        >>> labels = torch.randint(0, 1000, (2, 16))
+        >>> loss = linear_ce.linear_cross_entropy(hidden, lm_head, labels, shift=True)
+        >>> loss.backward()
+    """
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        shift=shift,
+        token_weight=token_weight,
+    )
+    if options is None:
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, LinearCrossEntropyOptions):
+        raise TypeError(
+            "linear_cross_entropy: options must be a linear_ce.LinearCrossEntropyOptions or None, "
+            f"got {type(options).__name__}"
+        )
+    shared = (
+        call.input, call.linear_weight, call.target, call.linear_bias,
+        call.class_weight, call.token_weight,
+    )
+    settings = (
+        options.batch_chunk_size,
+        options.chunking_method,
+        options.acc_policy,
+        options.acc_dtype,
+    )
+    if call.reduction == "none":
+        loss, z_term, lse = chunked_rows(
+            *shared, None, call.probability_target, call.ignore_index,
+            call.label_smoothing, call.z_loss, call.softcap, *settings,
+            False, False, False,
+        )[:3]
+        loss, z_term = loss.view(call.loss_shape), z_term.view(call.loss_shape)
+    else:
+        allow_retain_graph = options.allow_retain_graph
+        if not allow_retain_graph and torch.compiler.is_compiling():
+            warnings.warn(
+                "linear_cross_entropy: allow_retain_graph is set to True under torch.compile "
+                "(compiled autograd cannot guard a second backward); this costs one "
+                "gradient-sized copy per backward. Pass allow_retain_graph=True to silence.",
+                stacklevel=2,
+            )
+            allow_retain_graph = True
+        grad_on = torch.is_grad_enabled()
+        loss, z_term, lse = chunked_scalar(
+            *shared, call.probability_target, call.reduction, call.ignore_index,
+            call.label_smoothing, call.z_loss, call.softcap, *settings, allow_retain_graph,
+            grad_on and call.input.requires_grad,
+            grad_on and call.linear_weight.requires_grad,
+            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+        )[:3]
+    if not (return_z_loss or return_lse):
+        return loss
+    return LinearCrossEntropyOutput(
+        loss,
+        z_term.detach() if return_z_loss else None,
+        lse.view(call.loss_shape).detach() if return_lse else None,
+    )

@@ -1,0 +1,330 @@
+"""``torch.library`` custom ops in namespace ``linear_ce``: fake impls, autograd, vmap.
+
+Two ops, because their autograd differs:
+
+- ``linear_ce::chunked_scalar`` (``reduction`` "mean"/"sum"): forward runs
+  the chunk loop once and also computes the gradients; backward multiplies
+  them by the scalar upstream gradient.
+- ``linear_ce::chunked_rows`` (``reduction="none"``): forward returns the
+  per-row loss; backward reruns the loop with the upstream gradient folded
+  into the row scale (one extra logits GEMM per chunk, no ``(N, V)`` state).
+
+Both take the flattened call of :class:`linear_ce.arguments.Call` and return
+``(loss, z_loss, lse, ...)``; ``z_loss`` and ``lse`` are for logging and get
+no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from linear_ce.arguments import Call
+from linear_ce.chunked import run_chunks
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.plan import acc_dtype_for, make_plan
+from linear_ce.rows import row_terms
+
+__all__ = ["chunked_rows", "chunked_scalar"]
+
+
+def _call(
+    input, linear_weight, target, linear_bias, class_weight, token_weight,
+    probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
+) -> Call:
+    return Call(
+        input=input,
+        linear_weight=linear_weight,
+        target=target,
+        linear_bias=linear_bias,
+        class_weight=class_weight,
+        token_weight=token_weight,
+        probability_target=probability_target,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        loss_shape=tuple(target.shape),
+        weight_shape=tuple(linear_weight.shape),
+    )
+
+
+def _check_targets(call: Call) -> None:
+    """Class indices must lie in [0, C) or equal ignore_index; say which value does not."""
+    if call.probability_target or call.target.numel() == 0:
+        return
+    num_classes = call.linear_weight.shape[0]
+    t = call.target
+    bad = (t != call.ignore_index) & ((t < 0) | (t >= num_classes))
+    if bool(bad.any()):
+        value = int(t[bad][0])
+        raise ValueError(
+            f"linear_cross_entropy: target contains class index {value}, outside [0, "
+            f"{num_classes}) and not ignore_index={call.ignore_index}"
+        )
+
+
+def _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype) -> LinearCrossEntropyOptions:
+    return LinearCrossEntropyOptions(
+        batch_chunk_size=batch_chunk_size,
+        chunking_method=chunking_method if batch_chunk_size is None else None,
+        acc_policy=acc_policy,
+        acc_dtype=acc_dtype,
+    )
+
+
+def _plan(call: Call, options: LinearCrossEntropyOptions):
+    rows, in_features = call.input.shape
+    return make_plan(
+        rows,
+        in_features,
+        call.linear_weight.shape[0],
+        call.input.dtype,
+        call.input.device,
+        options,
+        softcap=call.softcap is not None,
+    )
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("linear_ce::chunked_scalar", mutates_args=())
+def chunked_scalar(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    linear_bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    token_weight: torch.Tensor | None,
+    probability_target: bool,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    batch_chunk_size: int | None,
+    chunking_method: str | None,
+    acc_policy: str,
+    acc_dtype: torch.dtype | None,
+    allow_retain_graph: bool,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scalar loss, z-loss term and per-row lse, plus the gradients of the loss
+    (empty where not needed), all in one pass over the chunks."""
+    grad_enabled = torch.is_grad_enabled()
+    for flag, tensor, name in (
+        (need_grad_input, input, "input"),
+        (need_grad_weight, linear_weight, "linear_weight"),
+        (need_grad_bias, linear_bias, "linear_bias"),
+    ):
+        if not flag and grad_enabled and tensor is not None and tensor.requires_grad:
+            raise RuntimeError(
+                f"linear_ce::chunked_scalar: {name} requires grad but its gradient was not "
+                "requested when this call was traced; recompile with the current requires_grad"
+            )
+    call = _call(
+        input, linear_weight, target, linear_bias, class_weight, token_weight,
+        probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
+    )
+    _check_targets(call)
+    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
+    terms = row_terms(call, plan.acc_dtype)
+    result = run_chunks(
+        call, terms, plan,
+        grad_input=need_grad_input, grad_weight=need_grad_weight, grad_bias=need_grad_bias,
+    )
+    loss = (result.row_loss.sum() * terms.normaliser).to(input.dtype)
+    z_term = (terms.zeta * terms.token * result.lse.square()).sum() * terms.normaliser
+    return (
+        loss,
+        z_term.to(plan.acc_dtype),
+        result.lse,
+        _empty(input) if result.grad_input is None else result.grad_input,
+        _empty(input) if result.grad_weight is None else result.grad_weight,
+        _empty(input) if result.grad_bias is None else result.grad_bias,
+    )
+
+
+@chunked_scalar.register_fake
+def _chunked_scalar_fake(
+    input, linear_weight, target, linear_bias, class_weight, token_weight,
+    probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
+    batch_chunk_size, chunking_method, acc_policy, acc_dtype, allow_retain_graph,
+    need_grad_input, need_grad_weight, need_grad_bias,
+):
+    acc = acc_dtype_for(input.dtype, acc_dtype)
+    rows, positions = input.shape[0], linear_weight.shape[1]
+    return (
+        input.new_empty(()),
+        input.new_empty((), dtype=acc),
+        input.new_empty((rows, positions), dtype=acc),
+        input.new_empty(input.shape if need_grad_input else (0,)),
+        input.new_empty(linear_weight.shape if need_grad_weight else (0,)),
+        input.new_empty(linear_weight.shape[:2] if need_grad_bias else (0,)),
+    )
+
+
+def _scalar_setup_context(ctx, inputs, output):
+    ctx.allow_retain_graph = inputs[16]
+    ctx.needs = inputs[17:20]
+    # Detached: the stored gradients are outputs of this node; keeping them
+    # attached would make node -> ctx -> tensor -> grad_fn -> node a cycle.
+    ctx.grads = [g.detach() if need else None for g, need in zip(output[3:], ctx.needs)]
+
+
+_NO_GRAD = [None] * 20
+_RETAIN_GRAPH_MESSAGE = (
+    "linear_cross_entropy: backward ran twice through a graph whose gradients were already "
+    "handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) to "
+    "backward more than once"
+)
+
+
+def _scalar_backward(ctx, grad_loss, *_unused):
+    result = list(_NO_GRAD)
+    stored = ctx.grads
+    if any(need and g is None for g, need in zip(stored, ctx.needs)):
+        raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
+    scaled = []
+    for g in stored:
+        if g is None:
+            scaled.append(None)
+        elif ctx.allow_retain_graph:
+            scaled.append(g * grad_loss.to(g.dtype))
+        else:
+            scaled.append(g.mul_(grad_loss.to(g.dtype)))
+    if not ctx.allow_retain_graph:
+        ctx.grads = [None, None, None]
+    result[0], result[1], result[3] = scaled
+    return tuple(result)
+
+
+chunked_scalar.register_autograd(_scalar_backward, setup_context=_scalar_setup_context)
+
+
+@torch.library.custom_op("linear_ce::chunked_rows", mutates_args=())
+def chunked_rows(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    linear_bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    token_weight: torch.Tensor | None,
+    grad_output: torch.Tensor | None,
+    probability_target: bool,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    batch_chunk_size: int | None,
+    chunking_method: str | None,
+    acc_policy: str,
+    acc_dtype: torch.dtype | None,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad_output=None``: per-row ``(loss, z_loss, lse)``, each ``(N, P)``, and
+    empty gradients. With ``grad_output`` ``(N, P)``: the vector-Jacobian
+    product of the loss rows, the gradients in the last three slots."""
+    call = _call(
+        input, linear_weight, target, linear_bias, class_weight, token_weight,
+        probability_target, "none", ignore_index, label_smoothing, z_loss, softcap,
+    )
+    _check_targets(call)
+    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
+    terms = row_terms(call, plan.acc_dtype, grad_output=grad_output)
+    backward = grad_output is not None
+    result = run_chunks(
+        call, terms, plan,
+        grad_input=backward and need_grad_input,
+        grad_weight=backward and need_grad_weight,
+        grad_bias=backward and need_grad_bias,
+    )
+    z_rows = terms.zeta * terms.token * result.lse.square()
+    return (
+        result.row_loss.to(input.dtype),
+        z_rows,
+        result.lse,
+        _empty(input) if result.grad_input is None else result.grad_input,
+        _empty(input) if result.grad_weight is None else result.grad_weight,
+        _empty(input) if result.grad_bias is None else result.grad_bias,
+    )
+
+
+@chunked_rows.register_fake
+def _chunked_rows_fake(
+    input, linear_weight, target, linear_bias, class_weight, token_weight, grad_output,
+    probability_target, ignore_index, label_smoothing, z_loss, softcap,
+    batch_chunk_size, chunking_method, acc_policy, acc_dtype,
+    need_grad_input, need_grad_weight, need_grad_bias,
+):
+    acc = acc_dtype_for(input.dtype, acc_dtype)
+    rows, positions = input.shape[0], linear_weight.shape[1]
+    backward = grad_output is not None
+    return (
+        input.new_empty((rows, positions)),
+        input.new_empty((rows, positions), dtype=acc),
+        input.new_empty((rows, positions), dtype=acc),
+        input.new_empty(input.shape if backward and need_grad_input else (0,)),
+        input.new_empty(linear_weight.shape if backward and need_grad_weight else (0,)),
+        input.new_empty(linear_weight.shape[:2] if backward and need_grad_bias else (0,)),
+    )
+
+
+def _rows_setup_context(ctx, inputs, output):
+    tensors = inputs[:6]
+    # Detached copies of the inputs' handles: backward recomputes, it does not
+    # differentiate through them, and an attached view would keep its base alive.
+    ctx.save_for_backward(*(t.detach() if t is not None else None for t in tensors))
+    ctx.args = inputs[7:16]
+
+
+def _rows_backward(ctx, grad_loss, *_unused):
+    input, linear_weight, target, linear_bias, class_weight, token_weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need_input, need_weight = needs[0], needs[1]
+    need_bias = linear_bias is not None and needs[3]
+    result = [None] * 19
+    if not (need_input or need_weight or need_bias):
+        return tuple(result)
+    outputs = chunked_rows(
+        input, linear_weight, target, linear_bias, class_weight, token_weight,
+        grad_loss.contiguous(), *ctx.args, need_input, need_weight, need_bias,
+    )
+    if need_input:
+        result[0] = outputs[3]
+    if need_weight:
+        result[1] = outputs[4]
+    if need_bias:
+        result[3] = outputs[5]
+    return tuple(result)
+
+
+chunked_rows.register_autograd(_rows_backward, setup_context=_rows_setup_context)
+
+
+def _vmap_by_loop(op):
+    """vmap rule: one call per batch element, results stacked along dim 0."""
+
+    def rule(info, in_dims, *args):
+        moved = [
+            a.movedim(d, 0) if d is not None and isinstance(a, torch.Tensor) else a
+            for a, d in zip(args, in_dims)
+        ]
+        outs = [
+            op(*[a[i] if d is not None and isinstance(a, torch.Tensor) else a for a, d in zip(moved, in_dims)])
+            for i in range(info.batch_size)
+        ]
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        return stacked, (0,) * len(stacked)
+
+    return rule
+
+
+chunked_scalar.register_vmap(_vmap_by_loop(chunked_scalar))
+chunked_rows.register_vmap(_vmap_by_loop(chunked_rows))

@@ -1,0 +1,110 @@
+"""User-facing knobs of the chunked loss: what may be set, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+__all__ = ["ACC_POLICIES", "LinearCrossEntropyOptions", "parse_chunking_method"]
+
+ACC_POLICIES = ("auto", "accurate", "balanced", "compact")
+_ACC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CHUNKING = re.compile(r"^(auto|aspect_ratio|budget)(?::([1-9][0-9]*))?$")
+
+
+def parse_chunking_method(method: str | None) -> tuple[str | None, int]:
+    """Split ``"aspect_ratio:4"`` into ``("aspect_ratio", 4)``; ``None`` gives ``(None, 1)``."""
+    if method is None:
+        return None, 1
+    match = _CHUNKING.match(method) if isinstance(method, str) else None
+    if match is None or (match.group(1) == "auto" and match.group(2) is not None):
+        raise ValueError(
+            f"chunking_method must be None, 'auto', 'budget', 'budget:N', 'aspect_ratio' or "
+            f"'aspect_ratio:N' with an integer N >= 1, got {method!r}"
+        )
+    return match.group(1), int(match.group(2) or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyOptions:
+    r"""How the chunked loss runs; never what it computes.
+
+    Every setting gives the same loss and gradients up to rounding; they
+    trade memory, speed and the precision of intermediates.
+
+    Args:
+        allow_retain_graph: for ``reduction`` ``"mean"``/``"sum"`` the
+            gradients are computed during forward and handed over by backward.
+            ``False`` (default) hands over the stored buffers themselves, so a
+            second backward raises ``RuntimeError``. ``True`` keeps them and
+            hands over scaled copies (one extra gradient-sized allocation per
+            backward), so ``retain_graph=True`` works. ``reduction="none"``
+            recomputes in backward and supports retain_graph either way.
+            Under ``torch.compile`` it is promoted to ``True`` with a warning.
+        batch_chunk_size: rows per chunk. ``None`` lets :attr:`chunking_method`
+            decide. A value together with a non-``"auto"`` method is an error.
+        chunking_method: how the chunk size is chosen when
+            :attr:`batch_chunk_size` is ``None``:
+
+            - ``"auto"`` (default): ``"budget"``.
+            - ``"budget"`` / ``"budget:N"``: the largest chunk whose
+              ``(chunk, V)`` scratch fits a memory budget of about a quarter of
+              the gradients' bytes (``/N``), at least 128 rows where that does
+              not exceed N, so each GEMM stays efficient.
+            - ``"aspect_ratio"`` / ``"aspect_ratio:N"``: torch's rule; the
+              ``(chunk, V)`` logits take about as many bytes as the ``(N, F)``
+              input (``/N``), rounded up to a power of two.
+            - ``None``: one chunk of :attr:`batch_chunk_size` rows (all rows if
+              that is ``None`` too).
+        acc_policy: which intermediates use :attr:`acc_dtype` when it differs
+            from the input dtype (fp16/bf16 inputs); see the README's table:
+
+            - ``"accurate"``: logits, softmax and both gradient GEMM outputs in
+              ``acc_dtype``; the weight gradient is accumulated across chunks
+              in an ``acc_dtype`` ``(V, F)`` buffer (``V·F·4`` bytes for fp32).
+            - ``"balanced"``: as ``"accurate"``, but where the device has native
+              fp16/bf16 GEMMs (CUDA) the gradient GEMMs read the softmax in the
+              input dtype. Identical to ``"accurate"`` on CPU.
+            - ``"compact"``: no ``(V, F)`` accumulator: each chunk's weight
+              gradient is added straight into the input-dtype result, in
+              vocabulary blocks. Least memory, one rounding per chunk.
+            - ``"auto"`` (default): ``"accurate"``.
+        acc_dtype: accumulation dtype. ``None``: float32 for fp16/bf16 input,
+            the input dtype otherwise. Must not be narrower than the input.
+
+    Example::
+
+        >>> opts = LinearCrossEntropyOptions(batch_chunk_size=256)
+        >>> opts.batch_chunk_size
+        256
+    """
+
+    allow_retain_graph: bool = False
+    batch_chunk_size: int | None = None
+    chunking_method: str | None = "auto"
+    acc_policy: str = "auto"
+    acc_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_retain_graph, bool):
+            raise TypeError(
+                f"allow_retain_graph must be a bool, got {type(self.allow_retain_graph).__name__}"
+            )
+        size = self.batch_chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"batch_chunk_size must be a positive int or None, got {size!r}")
+        method, _ = parse_chunking_method(self.chunking_method)
+        if size is not None and method not in (None, "auto"):
+            raise ValueError(
+                f"batch_chunk_size={size} and chunking_method={self.chunking_method!r} both "
+                "choose the chunk size; pass only one (or chunking_method=None)"
+            )
+        if self.acc_policy not in ACC_POLICIES:
+            raise ValueError(f"acc_policy must be one of {ACC_POLICIES}, got {self.acc_policy!r}")
+        if self.acc_dtype is not None and self.acc_dtype not in _ACC_DTYPES:
+            raise ValueError(
+                "acc_dtype must be None, torch.float16, torch.bfloat16, torch.float32 or "
+                f"torch.float64, got {self.acc_dtype!r}"
+            )

@@ -1,0 +1,137 @@
+"""The precision and memory plan: every "auto" resolved once per call, as a frozen value.
+
+The chunk loop only reads a :class:`Plan`; which dtype each intermediate has,
+which scratch buffers exist and how GEMMs are issued is decided here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from linear_ce.gemm import CudaOutDtype, Gemm, SameDtype, Upcast
+from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
+
+__all__ = ["MIN_EFFICIENT_ROWS", "Plan", "acc_dtype_for", "choose_chunk_rows", "make_plan"]
+
+#: Fewer rows than this per chunk leaves the GEMMs memory-bound on a CPU.
+MIN_EFFICIENT_ROWS = 128
+#: The ``"budget"`` rule lets the per-chunk scratch take this share of the gradients' bytes.
+BUDGET_SHARE = 0.25
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one call will do.
+
+    Attributes:
+        rows_per_chunk: rows of the input processed together.
+        input_dtype: dtype of input, weight and the returned gradients.
+        acc_dtype: dtype of the ``(chunk, V)`` logits/softmax buffer, the row
+            statistics, the loss and the grad-input accumulator.
+        weight_grad_dtype: dtype the ``(V, F)`` weight gradient is accumulated
+            in; an extra buffer exists only when it differs from ``input_dtype``.
+        gemm: how the three GEMMs are issued (see :mod:`linear_ce.gemm`).
+        policy: the resolved ``acc_policy``.
+    """
+
+    rows_per_chunk: int
+    input_dtype: torch.dtype
+    acc_dtype: torch.dtype
+    weight_grad_dtype: torch.dtype
+    gemm: Gemm
+    policy: str
+
+    def scratch_bytes(self, num_classes: int, in_features: int, softcap: bool) -> int:
+        """Bytes of the buffers this plan adds on top of inputs and results."""
+        acc = self.acc_dtype.itemsize
+        chunk = self.rows_per_chunk * num_classes * acc * (2 if softcap else 1)
+        weight_acc = num_classes * in_features * acc if self.weight_grad_dtype != self.input_dtype else 0
+        weight_copy = (
+            num_classes * in_features * self.gemm.operand_dtype.itemsize
+            if self.gemm.operand_dtype != self.input_dtype
+            else 0
+        )
+        return chunk + weight_acc + weight_copy
+
+
+def choose_chunk_rows(
+    rows: int,
+    in_features: int,
+    num_classes: int,
+    options: LinearCrossEntropyOptions,
+    input_dtype: torch.dtype,
+    acc_dtype: torch.dtype,
+    softcap: bool = False,
+) -> int:
+    """Rows per chunk, by the documented rule of ``options.chunking_method``.
+
+    ``"budget[:N]"`` (what ``"auto"`` means): the ``(chunk, V)`` scratch (two
+    buffers with softcap) may take ``BUDGET_SHARE / N`` of the gradients' bytes
+    ``(rows + V)·F·itemsize``; never fewer than ``MIN_EFFICIENT_ROWS`` rows
+    (GEMM efficiency), never more than ``rows``.
+    ``"aspect_ratio[:N]"``: torch's rule, ``next_pow2(ceil(rows / ceil(V / F))) / N``.
+    """
+    if rows == 0:
+        return 1
+    if options.batch_chunk_size is not None:
+        return min(options.batch_chunk_size, rows)
+    method, divisor = parse_chunking_method(options.chunking_method)
+    if method is None:
+        return rows
+    if method == "aspect_ratio":
+        ratio = -(-num_classes // in_features)
+        target = -(-rows // ratio)
+        return max(1, min((1 << (target - 1).bit_length()) // divisor, rows))
+    grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
+    row_bytes = num_classes * acc_dtype.itemsize * (2 if softcap else 1)
+    budget_rows = int(BUDGET_SHARE * grad_bytes / divisor) // max(row_bytes, 1)
+    return max(1, min(rows, max(budget_rows, MIN_EFFICIENT_ROWS // divisor)))
+
+
+def acc_dtype_for(input_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """The accumulation dtype: ``requested``, or float32 for half inputs, else the input's."""
+    if requested is None:
+        return torch.float32 if input_dtype in _HALF else input_dtype
+    if requested != input_dtype and (
+        requested.itemsize < input_dtype.itemsize or requested in _HALF
+    ):
+        raise ValueError(
+            f"acc_dtype={requested} is narrower than the input dtype {input_dtype}; use "
+            f"None, {input_dtype} or a wider float (float32/float64)"
+        )
+    return requested
+
+
+def make_plan(
+    rows: int,
+    in_features: int,
+    num_classes: int,
+    input_dtype: torch.dtype,
+    device: torch.device,
+    options: LinearCrossEntropyOptions,
+    softcap: bool = False,
+) -> Plan:
+    """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend."""
+    acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
+    policy = "accurate" if options.acc_policy == "auto" else options.acc_policy
+    mixed = acc_dtype != input_dtype
+    if not mixed:
+        gemm: Gemm = SameDtype(input_dtype)
+    elif device.type == "cuda" and policy != "accurate" and acc_dtype == torch.float32:
+        gemm = CudaOutDtype(input_dtype)
+    else:
+        gemm = Upcast(acc_dtype)
+    weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
+    return Plan(
+        rows_per_chunk=choose_chunk_rows(
+            rows, in_features, num_classes, options, input_dtype, acc_dtype, softcap
+        ),
+        input_dtype=input_dtype,
+        acc_dtype=acc_dtype,
+        weight_grad_dtype=weight_grad_dtype,
+        gemm=gemm,
+        policy=policy,
+    )

@@ -1,0 +1,125 @@
+r"""Per-row coefficients of the loss: the one place that knows what each feature means.
+
+For row :math:`i` with (softcapped) logits :math:`s_i`, softmax :math:`p_i`
+and :math:`\mathrm{lse}_i = \log\sum_j e^{s_{ij}}`, every supported loss is
+
+.. math::
+
+    \ell_i = \sum_j a_{ij}\,(\mathrm{lse}_i - s_{ij}) + \lambda\,\omega_i\,\mathrm{lse}_i^2,
+    \qquad
+    \frac{\partial \ell_i}{\partial s_{ij}}
+        = (A_i + 2\lambda\,\omega_i\,\mathrm{lse}_i)\,p_{ij} - a_{ij},
+    \qquad A_i = \sum_j a_{ij},
+
+with target weights :math:`a_{ij} = \alpha_i\,[j = t_i] + \beta_i\,w_j + \gamma_i\,w_j\,q_{ij}`:
+
+- class-index target :math:`t_i`: :math:`\alpha_i = (1-\varepsilon)\,w_{t_i}`,
+  :math:`\beta_i = \varepsilon / C`, :math:`\gamma_i = 0`, row weight
+  :math:`\omega_i = w_{t_i}`; all zero on ignored rows;
+- probability target :math:`q_i`: :math:`\alpha_i = 0`, :math:`\beta_i = \varepsilon/C`,
+  :math:`\gamma_i = 1 - \varepsilon`, :math:`\omega_i = 1`,
+
+where :math:`w` are the class weights (ones if none), :math:`\varepsilon` the
+label smoothing and :math:`\lambda` the z-loss. This is exactly torch's
+``cross_entropy`` with ``weight`` and ``label_smoothing`` (plus the z-loss).
+The result is :math:`\sum_i \tau_i \ell_i` scaled by :math:`1/\sum_i\omega_i`
+for ``"mean"`` (:math:`1/N` for probability targets), where :math:`\tau` is
+the token weight; the gradient of row :math:`i` is scaled by
+:math:`r_i = \tau_i \cdot` (that normaliser, or the upstream gradient for
+``"none"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from linear_ce.arguments import Call
+
+__all__ = ["RowTerms", "row_terms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTerms:
+    """Per-row coefficients, each ``(N, P)`` in the accumulation dtype (see module doc).
+
+    ``target`` holds class indices made safe to index with (ignored rows point
+    at class 0); ``valid`` is False on ignored rows. ``A`` is the total target
+    weight :math:`A_i`; ``zeta`` is :math:`\\lambda\\,\\omega_i`; ``scale`` is
+    :math:`r_i`; ``token`` is :math:`\\tau_i`; ``normaliser`` the scalar that
+    turns the sum into the requested reduction.
+    """
+
+    target: torch.Tensor | None
+    valid: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    gamma: float
+    A: torch.Tensor
+    zeta: torch.Tensor
+    token: torch.Tensor
+    scale: torch.Tensor
+    normaliser: torch.Tensor
+    class_weight: torch.Tensor | None
+
+
+def row_terms(call: Call, acc_dtype: torch.dtype, grad_output: torch.Tensor | None = None) -> RowTerms:
+    """Coefficients of every row of ``call`` in ``acc_dtype``.
+
+    ``grad_output`` (``"none"`` backward only) is the upstream ``(N, P)``
+    gradient; it replaces the reduction's normaliser in ``scale``.
+    """
+    rows, positions = call.input.shape[0], call.linear_weight.shape[1]
+    num_classes = call.linear_weight.shape[0]
+    device = call.input.device
+    eps = call.label_smoothing
+    class_weight = None if call.class_weight is None else call.class_weight.to(acc_dtype)
+    weight_total = float(num_classes) if class_weight is None else class_weight.sum()
+
+    if call.probability_target:
+        target = None
+        valid = torch.ones((rows, positions), dtype=torch.bool, device=device)
+        omega = torch.ones((rows, positions), dtype=acc_dtype, device=device)
+        alpha = torch.zeros_like(omega)
+        q = call.target.to(acc_dtype)
+        weighted_q = q.sum(1) if class_weight is None else torch.einsum("ncp,c->np", q, class_weight)
+        A = (1.0 - eps) * weighted_q + (eps / num_classes) * weight_total
+        beta, gamma = torch.full_like(omega, eps / num_classes), 1.0 - eps
+    else:
+        valid = call.target != call.ignore_index
+        target = torch.where(valid, call.target, 0).long()
+        omega = valid.to(acc_dtype)
+        if class_weight is not None:
+            omega = omega * class_weight[target]
+        alpha = (1.0 - eps) * omega
+        A = alpha + (eps / num_classes) * weight_total * valid.to(acc_dtype)
+        beta, gamma = (eps / num_classes) * valid.to(acc_dtype), 0.0
+
+    token = (
+        torch.ones((rows, positions), dtype=acc_dtype, device=device)
+        if call.token_weight is None
+        else call.token_weight.to(acc_dtype)
+    )
+    if call.reduction == "mean":
+        total = omega.sum()
+        normaliser = torch.where(total == 0, torch.nan, 1.0 / total)
+    else:
+        normaliser = torch.ones((), dtype=acc_dtype, device=device)
+    if grad_output is not None:
+        scale = token * grad_output.to(acc_dtype).reshape(rows, positions)
+    else:
+        scale = token * normaliser
+    return RowTerms(
+        target=target,
+        valid=valid,
+        alpha=alpha,
+        beta=beta,
+        gamma=gamma,
+        A=A,
+        zeta=call.z_loss * omega,
+        token=token,
+        scale=scale,
+        normaliser=normaliser,
+        class_weight=class_weight,
+    )
