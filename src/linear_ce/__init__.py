@@ -5,6 +5,7 @@
 >>> loss = linear_ce.linear_cross_entropy(x, W, torch.randint(0, 100, (8,)))
 """
 
+from linear_ce import reference
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
@@ -15,5 +16,6 @@ __all__ = [
     "LinearCrossEntropyOptions",
     "LinearCrossEntropyOutput",
     "linear_cross_entropy",
+    "reference",
 ]
 __version__ = "0.1.0"
