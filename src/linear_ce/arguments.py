@@ -75,8 +75,15 @@ def check_call(
     softcap: float | None = None,
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
+    num_classes: int | None = None,
 ) -> Call:
-    """Validate a ``linear_cross_entropy`` call and reshape it to rows (see :class:`Call`)."""
+    """Validate a ``linear_cross_entropy`` call and reshape it to rows (see :class:`Call`).
+
+    ``num_classes`` is the whole vocabulary's ``C`` when ``linear_weight`` (and
+    ``linear_bias``) hold a vocab-parallel shard of it (:mod:`linear_ce.distributed`):
+    class weights and probability targets are checked against it, the bias
+    against the shard. ``None`` means ``linear_weight.shape[0]``.
+    """
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, torch.Tensor):
             _fail(f"{name} must be a Tensor, got {type(value).__name__}")
@@ -89,12 +96,16 @@ def check_call(
         _fail(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         _fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not z_loss >= 0.0:
-        _fail(f"z_loss must be a float >= 0, got {z_loss!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0.0
+    if (
+        isinstance(z_loss, bool) or not isinstance(z_loss, (int, float))
+        or not 0.0 <= z_loss < math.inf
     ):
-        _fail(f"softcap must be None or a float > 0, got {softcap!r}")
+        _fail(f"z_loss must be a finite float >= 0, got {z_loss!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+        or not 0.0 < softcap < math.inf
+    ):
+        _fail(f"softcap must be None or a finite float > 0, got {softcap!r}")
     if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
         _fail(f"ignore_index must be an int or None, got {ignore_index!r}")
     if isinstance(shift, bool):
@@ -105,12 +116,20 @@ def check_call(
     if input.dtype not in _FLOAT_DTYPES:
         _fail(f"input must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}")
     if linear_weight.dtype != input.dtype:
+        # autocast does not cast our arguments (the op runs in the dtype it is given),
+        # so a bf16 hidden state meeting an fp32 lm_head under autocast lands here.
+        hint = (
+            " (under torch.autocast linear_cross_entropy is not autocast: it runs in the "
+            "dtype of its arguments)"
+            if input.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(input.device.type)
+            else ""
+        )
         _fail(
             f"linear_weight dtype {linear_weight.dtype} differs from input dtype {input.dtype}; "
-            "cast one of them so both match"
+            f"cast one of them so both match{hint}"
         )
     if input.dim() < 1:
-        _fail(f"input must have shape (*, in_features) with at least 1 dimension, got a 0-d tensor")
+        _fail("input must have shape (*, in_features) with at least 1 dimension, got a 0-d tensor")
     if linear_weight.dim() < 2:
         _fail(
             "linear_weight must have shape (num_classes, in_features) or "
@@ -122,7 +141,11 @@ def check_call(
             f"in_features mismatch: input has {in_features} features (last dimension) but "
             f"linear_weight has {linear_weight.shape[-1]} (shape {tuple(linear_weight.shape)})"
         )
-    num_classes = linear_weight.shape[0]
+    local_classes = linear_weight.shape[0]
+    if local_classes == 0:
+        _fail(f"linear_weight must have at least one class, got shape {tuple(linear_weight.shape)}")
+    if num_classes is None:
+        num_classes = local_classes
     out_features = tuple(linear_weight.shape[1:-1])
     batch_shape = tuple(input.shape[:-1])
     logits_shape = (*batch_shape, num_classes, *out_features)
@@ -137,9 +160,9 @@ def check_call(
         _fail(f"all tensors must be on one device, got {listing}")
 
     if linear_bias is not None:
-        if tuple(linear_bias.shape) != (num_classes, *out_features):
+        if tuple(linear_bias.shape) != (local_classes, *out_features):
             _fail(
-                f"linear_bias must have shape {(num_classes, *out_features)} (num_classes, "
+                f"linear_bias must have shape {(local_classes, *out_features)} (num_classes, "
                 f"*out_features), got {tuple(linear_bias.shape)}"
             )
         if linear_bias.dtype != input.dtype:
@@ -186,6 +209,9 @@ def check_call(
             _fail(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
         if weight.dtype != input.dtype:
             _fail(f"weight (class weights) must have the input's dtype {input.dtype}, got {weight.dtype}")
+        if weight.requires_grad:
+            _fail("weight (class weights) that requires grad is not supported: the loss is not "
+                  "differentiated with respect to class weights; pass weight.detach()")
 
     loss_shape = (*batch_shape, *out_features)
     if token_weight is not None:
@@ -215,9 +241,9 @@ def check_call(
         flat_target = target.reshape(rows, positions)
     return Call(
         input=flat_input,
-        linear_weight=linear_weight.reshape(num_classes, positions, in_features),
+        linear_weight=linear_weight.reshape(local_classes, positions, in_features),
         target=flat_target,
-        linear_bias=None if linear_bias is None else linear_bias.reshape(num_classes, positions),
+        linear_bias=None if linear_bias is None else linear_bias.reshape(local_classes, positions),
         class_weight=weight,
         token_weight=None if token_weight is None else token_weight.reshape(rows, positions),
         probability_target=probability_target,

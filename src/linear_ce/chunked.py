@@ -118,7 +118,8 @@ def run_chunks(
             torch.sum(S, dim=1, out=sum_exp)
             vocab.sum_(stats[:n])
             log_sum_exp = sum_exp.log()
-            lse = row_max + log_sum_exp
+            # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
+            lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
             A = terms.A[start:stop, p]
             zeta = terms.zeta[start:stop, p]
             loss = A * log_sum_exp - lin + zeta * lse.square()

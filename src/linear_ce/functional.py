@@ -16,6 +16,24 @@ __all__ = ["linear_cross_entropy"]
 _DEFAULT_OPTIONS = LinearCrossEntropyOptions()
 
 
+@torch.compiler.assume_constant_result
+def _promote_retain_graph() -> bool:
+    """Warn that ``allow_retain_graph`` becomes True and return True.
+
+    A compiled backward cannot guard a second backward (the hand-over of the
+    stored gradients is a Python-side mutation the compiled graph does not
+    replay), so it must copy. Marked constant so Dynamo runs it once while
+    tracing instead of breaking the graph on ``warnings.warn``.
+    """
+    warnings.warn(
+        "linear_cross_entropy: allow_retain_graph is set to True under torch.compile "
+        "(a compiled backward cannot guard a second backward); this costs one "
+        "gradient-sized copy per backward. Pass allow_retain_graph=True to silence.",
+        stacklevel=3,
+    )
+    return True
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -134,13 +152,7 @@ def linear_cross_entropy(
     else:
         allow_retain_graph = options.allow_retain_graph
         if not allow_retain_graph and torch.compiler.is_compiling():
-            warnings.warn(
-                "linear_cross_entropy: allow_retain_graph is set to True under torch.compile "
-                "(compiled autograd cannot guard a second backward); this costs one "
-                "gradient-sized copy per backward. Pass allow_retain_graph=True to silence.",
-                stacklevel=2,
-            )
-            allow_retain_graph = True
+            allow_retain_graph = _promote_retain_graph()
         grad_on = torch.is_grad_enabled()
         loss, z_term, lse = chunked_scalar(
             *shared, call.probability_target, call.reduction, call.ignore_index,

@@ -49,11 +49,15 @@ def _call(
     )
 
 
-def _check_targets(call: Call) -> None:
-    """Class indices must lie in [0, C) or equal ignore_index; say which value does not."""
+def _check_targets(call: Call, num_classes: int | None = None) -> None:
+    """Class indices must lie in [0, C) or equal ignore_index; say which value does not.
+
+    ``num_classes`` is the whole vocabulary's ``C`` for a vocab-parallel shard.
+    """
     if call.probability_target or call.target.numel() == 0:
         return
-    num_classes = call.linear_weight.shape[0]
+    if num_classes is None:
+        num_classes = call.linear_weight.shape[0]
     t = call.target
     bad = (t != call.ignore_index) & ((t < 0) | (t >= num_classes))
     if bool(bad.any()):
@@ -173,7 +177,7 @@ def _scalar_setup_context(ctx, inputs, output):
     ctx.needs = inputs[17:20]
     # Detached: the stored gradients are outputs of this node; keeping them
     # attached would make node -> ctx -> tensor -> grad_fn -> node a cycle.
-    ctx.grads = [g.detach() if need else None for g, need in zip(output[3:], ctx.needs)]
+    ctx.grads = [g.detach() if need else None for g, need in zip(output[3:], ctx.needs, strict=True)]
 
 
 _NO_GRAD = [None] * 20
@@ -187,7 +191,7 @@ _RETAIN_GRAPH_MESSAGE = (
 def _scalar_backward(ctx, grad_loss, *_unused):
     result = list(_NO_GRAD)
     stored = ctx.grads
-    if any(need and g is None for g, need in zip(stored, ctx.needs)):
+    if any(need and g is None for g, need in zip(stored, ctx.needs, strict=True)):
         raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
     scaled = []
     for g in stored:
@@ -314,13 +318,13 @@ def _vmap_by_loop(op):
     def rule(info, in_dims, *args):
         moved = [
             a.movedim(d, 0) if d is not None and isinstance(a, torch.Tensor) else a
-            for a, d in zip(args, in_dims)
+            for a, d in zip(args, in_dims, strict=True)
         ]
         outs = [
-            op(*[a[i] if d is not None and isinstance(a, torch.Tensor) else a for a, d in zip(moved, in_dims)])
+            op(*[a[i] if d is not None and isinstance(a, torch.Tensor) else a for a, d in zip(moved, in_dims, strict=True)])
             for i in range(info.batch_size)
         ]
-        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
         return stacked, (0,) * len(stacked)
 
     return rule

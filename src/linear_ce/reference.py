@@ -68,7 +68,8 @@ def linear_cross_entropy(
     logits = F.linear(call.input, flat_weight, flat_bias).view(rows, num_classes, positions)
     if call.softcap is not None:
         logits = call.softcap * torch.tanh(logits / call.softcap)
-    target = call.target
+    # torch's cross_entropy takes int64 class indices only; int32/int16/... are accepted here.
+    target = call.target if call.probability_target else call.target.long()
     if positions == 1:
         logits, target = logits.squeeze(2), target.squeeze(-1 if call.probability_target else 1)
     if call.probability_target or call.ignore_index is None:

@@ -64,14 +64,23 @@ class RowTerms:
     class_weight: torch.Tensor | None
 
 
-def row_terms(call: Call, acc_dtype: torch.dtype, grad_output: torch.Tensor | None = None) -> RowTerms:
+def row_terms(
+    call: Call,
+    acc_dtype: torch.dtype,
+    grad_output: torch.Tensor | None = None,
+    num_classes: int | None = None,
+) -> RowTerms:
     """Coefficients of every row of ``call`` in ``acc_dtype``.
 
     ``grad_output`` (``"none"`` backward only) is the upstream ``(N, P)``
     gradient; it replaces the reduction's normaliser in ``scale``.
+    ``num_classes`` is the whole vocabulary's ``C`` when ``call.linear_weight``
+    is a vocab-parallel shard (:mod:`linear_ce.distributed`); ``None`` means
+    the weight's own first dimension.
     """
     rows, positions = call.input.shape[0], call.linear_weight.shape[1]
-    num_classes = call.linear_weight.shape[0]
+    if num_classes is None:
+        num_classes = call.linear_weight.shape[0]
     device = call.input.device
     eps = call.label_smoothing
     class_weight = None if call.class_weight is None else call.class_weight.to(acc_dtype)
@@ -109,7 +118,9 @@ def row_terms(call: Call, acc_dtype: torch.dtype, grad_output: torch.Tensor | No
     if grad_output is not None:
         scale = token * grad_output.to(acc_dtype).reshape(rows, positions)
     else:
-        scale = token * normaliser
+        # Ignored rows get exactly zero gradient, also when the normaliser is NaN
+        # (every row ignored): torch returns zero gradients there, not NaN.
+        scale = torch.where(valid, token * normaliser, 0.0)
     return RowTerms(
         target=target,
         valid=valid,

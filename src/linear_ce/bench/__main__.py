@@ -1,0 +1,110 @@
+"""``python -m linear_ce.bench``: the benchmark report.
+
+Measures every variant (see :mod:`linear_ce.bench.variants`) at the given
+shapes and dtypes and along a sweep of one dimension, prints a table (time,
+ratio to the floor, transient memory, ratio to the gradients' bytes) and
+writes a PNG plot and a JSON file.
+
+Example::
+
+    python -m linear_ce.bench                                  # the default report
+    python -m linear_ce.bench --shapes 4096,2048,50257 --dtype fp32 --sweep none
+    python -m linear_ce.bench --device cuda --shapes 8192,4096,128256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from linear_ce.bench import config, report
+from linear_ce.bench.runner import run_points
+from linear_ce.bench.variants import DEFAULT, VARIANTS
+
+_DEFAULT_SHAPES = "2048,1024,32768"
+_DEFAULT_SWEEP = "V=4096,8192,16384,32768"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m linear_ce.bench",
+        description="Time and memory of linear_ce against the GEMM floor and its peers.",
+    )
+    parser.add_argument("--shapes", default=_DEFAULT_SHAPES,
+                        help=f"'N,D,V[;N,D,V...]' rows, features, classes (default {_DEFAULT_SHAPES})")
+    parser.add_argument("--dtype", default="fp32,bf16",
+                        help="comma-separated dtypes: fp32, bf16, fp16, fp64 (default fp32,bf16)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--sweep", default=_DEFAULT_SWEEP,
+                        help="one dimension of the first shape to vary, for the plot: "
+                             f"'V=a,b,...', 'N=...' or 'D=...', or 'none' (default {_DEFAULT_SWEEP})")
+    parser.add_argument("--sweep-dtype", default=None,
+                        help="dtypes the sweep runs in (default: the first of --dtype)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls per variant and point, interleaved (default 3)")
+    parser.add_argument("--variants", default=",".join(DEFAULT),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default: all but "
+                             "the per-policy linear_ce-* rows; unavailable ones are listed as such)")
+    parser.add_argument("--json", default="bench-out/bench.json", help="JSON output path")
+    parser.add_argument("--plot", default="bench-out/bench.png", help="PNG output path")
+    args = parser.parse_args(argv)
+    try:
+        args.shape_list = config.parse_shapes(args.shapes)
+        args.dtype_list = config.parse_dtypes(args.dtype)
+        args.sweep_spec = config.parse_sweep(args.sweep)
+        args.sweep_dtypes = (
+            args.dtype_list[:1] if args.sweep_dtype is None else config.parse_dtypes(args.sweep_dtype)
+        )
+        args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in args.variant_list if v not in VARIANTS]
+        if unknown or not args.variant_list:
+            raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be 'cpu' or 'cuda', got {args.device!r}")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+            return 2
+    console = Console()
+    points = config.points(args.shape_list, args.dtype_list, args.device, args.sweep_spec,
+                           args.sweep_dtypes)
+    total = len(points) * len(args.variant_list) * (args.repeats + 1)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("starting workers", total=total)
+        results = run_points(
+            points, args.variant_list, args.repeats,
+            lambda text, calls: progress.update(task, advance=calls, description=text),
+        )
+    summaries = [(p, report.summarize(p, m)) for p, m in zip(points, results)]
+    meta = {"machine": report.machine(), "repeats": args.repeats, "device": args.device,
+            "command": " ".join(["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])])}
+    info = meta["machine"]
+    title = (f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+             + (f", {info['gpu']}" if args.device == "cuda" and "gpu" in info else "")
+             + f"; median of {args.repeats} interleaved repeats")
+    console.print(report.table(summaries, title))
+    dim = args.sweep_spec[0] if args.sweep_spec else "V"
+    report.write_plot(summaries, dim, Path(args.plot), title)
+    report.write_json(summaries, meta, Path(args.json))
+    console.print(f"plot: {args.plot}   json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Benchmark points: shapes, dtypes and the sweep, parsed from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["DTYPES", "Point", "parse_dtypes", "parse_shapes", "parse_sweep", "points"]
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One measured configuration: ``N`` rows, ``D`` features, ``V`` classes."""
+
+    N: int
+    D: int
+    V: int
+    dtype: str
+    device: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients themselves: ``grad_input`` plus ``grad_weight``."""
+        return (self.N + self.V) * self.D * self.torch_dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        return f"N={self.N} D={self.D} V={self.V} {self.dtype}"
+
+
+def _positive(text: str, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {text!r}")
+    return value
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"2048,1024,32768;512,256,4096"`` -> ``[(N, D, V), ...]``."""
+    shapes = []
+    for part in text.split(";"):
+        fields = part.strip().split(",")
+        if len(fields) != 3:
+            raise ValueError(f"a shape is 'N,D,V' (three integers), got {part!r}")
+        shapes.append(tuple(_positive(f.strip(), "each of N, D, V") for f in fields))
+    return shapes
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """``"fp32,bf16"`` -> short names, checked against :data:`DTYPES`."""
+    names = []
+    for name in text.split(","):
+        name = name.strip()
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(_SHORT.values()))}")
+        names.append(_SHORT[DTYPES[name]])
+    return names
+
+
+def parse_sweep(text: str | None) -> tuple[str, list[int]] | None:
+    """``"V=4096,8192"`` -> ``("V", [4096, 8192])``; ``None``/``"none"`` -> ``None``."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    dim, sep, values = text.partition("=")
+    dim = dim.strip()
+    if not sep or dim not in ("N", "D", "V"):
+        raise ValueError(f"--sweep is 'N=a,b,...', 'D=...' or 'V=...', got {text!r}")
+    return dim, [_positive(v.strip(), f"each {dim} of --sweep") for v in values.split(",")]
+
+
+def points(
+    shapes: list[tuple[int, int, int]],
+    dtypes: list[str],
+    device: str,
+    sweep: tuple[str, list[int]] | None,
+    sweep_dtypes: list[str],
+) -> list[Point]:
+    """The main shapes in every dtype, then the sweep around the first shape.
+
+    The sweep varies one dimension of the first shape (the shape itself is
+    one of its points) in ``sweep_dtypes``; duplicates are measured once.
+    """
+    result: list[Point] = []
+    for dtype in dtypes:
+        for n, d, v in shapes:
+            result.append(Point(n, d, v, dtype, device))
+    if sweep is not None:
+        dim, values = sweep
+        n, d, v = shapes[0]
+        for dtype in sweep_dtypes:
+            for value in values:
+                sizes = {"N": n, "D": d, "V": v, dim: value}
+                result.append(Point(sizes["N"], sizes["D"], sizes["V"], dtype, device))
+    unique = list(dict.fromkeys(result))
+    return sorted(unique, key=lambda p: (p.dtype != dtypes[0], p.N * p.D * p.V))

@@ -1,0 +1,226 @@
+"""What is measured: each variant turns the inputs into one timed call.
+
+Training variants (``kind="train"``) compute the loss and the gradients of
+input and weight; forward variants only the loss, under ``torch.no_grad``.
+The floors are the GEMMs alone: ``floor`` the three of a training step
+(logits, grad input, grad weight: ``6·N·D·V`` flops) in the input dtype,
+``floor-fp32`` the same in fp32 (what half inputs cost where the GEMMs must
+run in fp32), ``floor-fwd`` the logits GEMM alone (fp32 for half inputs
+without native half GEMMs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from linear_ce.bench.config import Point
+from linear_ce.capability import native_half_gemm
+
+__all__ = ["DEFAULT", "VARIANTS", "Variant", "make_inputs", "reference_variant"]
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], None]]
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named way to compute the loss; ``unavailable`` says why it cannot run, or None."""
+
+    name: str
+    kind: str
+    build: Build
+    unavailable: Callable[[Point], str | None]
+    description: str
+
+
+def _native(point: Point) -> bool:
+    dtype = point.torch_dtype
+    return dtype not in _HALF or native_half_gemm(dtype, torch.device(point.device))
+
+
+def _always(point: Point) -> str | None:
+    return None
+
+
+def _gemm_dtype(point: Point) -> torch.dtype:
+    return point.torch_dtype if _native(point) else torch.float32
+
+
+def _floor(dtype: torch.dtype | None) -> Build:
+    def build(x, w, t):
+        xd = x.detach().to(dtype or x.dtype)
+        wd = w.detach().to(dtype or w.dtype)
+
+        def call():
+            logits = xd @ wd.T
+            logits @ wd
+            logits.T @ xd
+
+        return call
+
+    return build
+
+
+def _floor_fwd(x, w, t):
+    dtype = x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
+    xd, wd = x.detach().to(dtype), w.detach().to(dtype)
+
+    def call():
+        xd @ wd.T
+
+    return call
+
+
+def _train(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Build:
+    def build(x, w, t):
+        def call():
+            x.grad = w.grad = None
+            loss_fn(x, w, t).backward()
+
+        return call
+
+    return build
+
+
+def _plain(x, w, t):
+    return F.cross_entropy(F.linear(x, w), t)
+
+
+def _compiled_plain(x, w, t):
+    compiled = torch.compile(_plain, dynamic=True)
+    return _train(compiled)(x, w, t)
+
+
+def _torch_builtin(batch_chunk_size: int | None) -> Build:
+    def loss(x, w, t):
+        options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=batch_chunk_size)
+        return F.linear_cross_entropy(x, w, t, options=options)
+
+    return _train(loss)
+
+
+def _linear_ce(acc_policy: str | None) -> Callable:
+    def loss(x, w, t):
+        import linear_ce
+
+        options = None if acc_policy is None else linear_ce.LinearCrossEntropyOptions(acc_policy=acc_policy)
+        return linear_ce.linear_cross_entropy(x, w, t, options=options)
+
+    return loss
+
+
+def _forward(loss_fn: Callable) -> Build:
+    def build(x, w, t):
+        xd, wd = x.detach(), w.detach()
+
+        def call():
+            with torch.no_grad():
+                loss_fn(xd, wd, t)
+
+        return call
+
+    return build
+
+
+def _cce(x, w, t):
+    from cut_cross_entropy import linear_cross_entropy
+
+    impl = "cce" if x.device.type == "cuda" else "torch_compile"
+    return linear_cross_entropy(x, w, t, impl=impl)
+
+
+def _liger(x, w, t):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss()(w, x, t)
+
+
+def _needs_module(module: str, cuda_only: bool = False) -> Callable[[Point], str | None]:
+    def unavailable(point: Point) -> str | None:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+        if cuda_only and point.device != "cuda":
+            return f"{module} runs on CUDA only"
+        return None
+
+    return unavailable
+
+
+def _same_dtype_floor(point: Point) -> str | None:
+    if not _native(point):
+        return f"no native {point.dtype} GEMM on this {point.device}; see floor-fp32"
+    return None
+
+
+def _half_only(point: Point) -> str | None:
+    return None if point.torch_dtype in _HALF else "only for fp16/bf16 inputs"
+
+
+def _has_builtin(point: Point) -> str | None:
+    if not hasattr(F, "linear_cross_entropy"):
+        return f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy"
+    return None
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("floor", "train", _floor(None), _same_dtype_floor,
+                "the three GEMMs alone, in the input dtype"),
+        Variant("floor-fp32", "train", _floor(torch.float32), _half_only,
+                "the three GEMMs alone, in fp32"),
+        Variant("plain", "train", _train(_plain), _always,
+                "cross_entropy(linear(x, W), t), eager"),
+        Variant("plain-compile", "train", _compiled_plain, _always,
+                "the plain expression under torch.compile"),
+        Variant("torch", "train", _torch_builtin(None), _has_builtin,
+                "torch's linear_cross_entropy, default options"),
+        Variant("torch-512", "train", _torch_builtin(512), _has_builtin,
+                "torch's linear_cross_entropy, 512-row chunks"),
+        Variant("linear_ce", "train", _train(_linear_ce(None)), _always,
+                "linear_ce, default options"),
+        *[
+            Variant(f"linear_ce-{policy}", "train", _train(_linear_ce(policy)), _always,
+                    f"linear_ce, acc_policy={policy!r}")
+            for policy in ("accurate", "balanced", "compact")
+        ],
+        Variant("cce", "train", _train(_cce), _needs_module("cut_cross_entropy"),
+                "Cut Cross-Entropy (torch_compile impl on CPU)"),
+        Variant("liger", "train", _train(_liger), _needs_module("liger_kernel", cuda_only=True),
+                "Liger-Kernel fused linear cross-entropy"),
+        Variant("floor-fwd", "forward", _floor_fwd, _always,
+                "the logits GEMM alone (fp32 for half inputs without native half GEMMs)"),
+        Variant("linear_ce-fwd", "forward", _forward(_linear_ce(None)), _always,
+                "linear_ce forward only, no gradients"),
+    ]
+}
+
+#: Measured when ``--variants`` is not given.
+DEFAULT = (
+    "floor", "floor-fp32", "plain", "plain-compile", "torch", "torch-512", "linear_ce",
+    "cce", "liger", "floor-fwd", "linear_ce-fwd",
+)
+
+
+def reference_variant(point: Point, kind: str) -> str:
+    """The floor a variant's time is divided by: ``floor-fwd`` for forward
+    variants; ``floor-fp32`` for half inputs (the targets' reference), else ``floor``."""
+    if kind == "forward":
+        return "floor-fwd"
+    return "floor-fp32" if point.torch_dtype in _HALF else "floor"
+
+
+def make_inputs(point: Point, seed: int = 0) -> Inputs:
+    """Hidden states ``(N, D)``, weight ``(V, D)`` scaled so logits are O(1), targets ``(N,)``."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, device = point.torch_dtype, torch.device(point.device)
+    x = torch.randn(point.N, point.D, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(point.V, point.D, generator=gen) * point.D**-0.5).to(device=device, dtype=dtype)
+    t = torch.randint(0, point.V, (point.N,), generator=gen).to(device)
+    return x.requires_grad_(), w.requires_grad_(), t

@@ -1,0 +1,53 @@
+"""Whether a device multiplies fp16/bf16 matrices natively (fast) or by emulation.
+
+A CPU without the matching instructions runs a bf16 GEMM one to two orders of
+magnitude slower than fp32 (scalar conversion loops), so the plan upcasts
+there. The answer comes from the CPU's feature flags, not from timing, so it
+is the same on every call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["native_half_gemm"]
+
+# oneDNN's fast bf16 GEMM needs AVX512-BF16 or AMX; fp16 needs AVX512-FP16 or AMX-FP16.
+_CPU_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where ``torch.mm`` of two ``dtype`` (fp16/bf16) matrices runs natively.
+
+    CUDA: always. CPU: when the CPU advertises the instructions oneDNN uses
+    (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer).
+
+    Example::
+
+        >>> native_half_gemm(torch.float16, torch.device("cuda"))
+        True
+    """
+    if dtype not in _CPU_FLAGS:
+        return False
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return any(flag in _cpu_flags() for flag in _CPU_FLAGS[dtype])

@@ -1,0 +1,387 @@
+r"""Vocab-parallel linear cross-entropy over ``torch.distributed``.
+
+Tensor-parallel training shards the output projection along the vocabulary:
+rank :math:`r` of a process group holds rows
+:math:`[\mathrm{start}_r, \mathrm{start}_r + V_r)` of :math:`W` (and of the
+bias), while every rank holds the same hidden states, targets, class weights
+and token weights. Each rank runs the ordinary chunk loop
+(:mod:`linear_ce.chunked`) on its shard; per chunk of rows and output position
+the row statistics are combined with two collectives,
+
+.. math::
+
+    m_i = \max_r \max_{j \in r} s_{ij} \quad (\text{all\_reduce MAX}),
+    \qquad
+    \Big[\sum_j e^{s_{ij} - m_i},\; \sum_j a_{ij}(s_{ij} - m_i)\Big]
+    \quad (\text{one all\_reduce SUM of a } (B, 2) \text{ tensor}),
+
+after which the loss and the log-sum-exp are identical on every rank. The
+logit gradient of a class lives on the rank that holds it, so ``grad_W`` and
+``grad_b`` stay local, while the input gradient
+:math:`\sum_r G_r W_r` is summed over ranks by one all_reduce of ``N·F``
+values per call.
+
+Collectives per call, with ``K = ⌈N / B⌉`` chunks of ``B`` rows and ``P``
+output positions (``P = 1`` for ordinary ``(V, F)`` weights):
+
+- ``reduction`` "mean"/"sum": ``2·K·P`` all_reduce in forward, plus one
+  all_reduce of the input gradient (in forward, where the gradients are
+  computed) when ``input`` requires grad; backward communicates nothing.
+- ``reduction="none"``: ``2·K·P`` in forward; backward recomputes the chunks,
+  ``2·K·P`` again, plus one all_reduce of the input gradient.
+- one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
+  not given (see :func:`shard_layout` to do it once and pass the result).
+
+Only ``torch.distributed`` collectives are used, so any backend that
+implements all_reduce (MAX, SUM) and all_gather works: gloo for CPU tensors,
+NCCL for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from linear_ce.arguments import Call, check_call
+from linear_ce.chunked import run_chunks
+from linear_ce.ops import _RETAIN_GRAPH_MESSAGE, _check_targets
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.plan import Plan, make_plan
+from linear_ce.rows import row_terms
+
+__all__ = ["VocabShard", "shard_layout", "vocab_parallel_linear_cross_entropy"]
+
+_NAME = "vocab_parallel_linear_cross_entropy"
+_DEFAULT_OPTIONS = LinearCrossEntropyOptions()
+
+
+class VocabShard:
+    """Classes ``[start, start + V_local)`` of ``total`` classes split over ``group``.
+
+    The vocab object of :func:`linear_ce.chunked.run_chunks`: row statistics
+    are combined over the group by ``all_reduce``, in place.
+    """
+
+    def __init__(self, start: int, total: int, group: dist.ProcessGroup | None) -> None:
+        self.start = start
+        self.total = total
+        self.group = group
+
+    def num_classes(self, local_classes: int) -> int:
+        """Classes of the whole vocabulary (the ``C`` of label smoothing)."""
+        return self.total
+
+    def max_(self, row_max: torch.Tensor) -> None:
+        """Make ``row_max`` the maximum over every shard, in place."""
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
+
+    def sum_(self, row_sums: torch.Tensor) -> None:
+        """Make ``row_sums`` the sum over every shard, in place."""
+        dist.all_reduce(row_sums, op=dist.ReduceOp.SUM, group=self.group)
+
+
+def shard_layout(
+    linear_weight: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """``(vocab_start, num_classes)`` of this rank's shard, by one all_gather of the shard sizes.
+
+    Ranks hold consecutive slices in rank order: ``vocab_start`` is the sum of
+    the lower ranks' ``linear_weight.shape[0]``, ``num_classes`` the sum over
+    all ranks. Shards may differ in size but none may be empty. Call it once
+    and pass the result to :func:`vocab_parallel_linear_cross_entropy` to save
+    the collective on every call.
+
+    Example::
+
+        >>> vocab_start, num_classes = shard_layout(lm_head_shard, group)
+    """
+    _require_group(process_group)
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    mine = torch.tensor([linear_weight.shape[0]], dtype=torch.int64, device=linear_weight.device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=process_group)
+    counts = [int(s) for s in sizes]
+    empty = [r for r, c in enumerate(counts) if c == 0]
+    if empty:
+        raise ValueError(
+            f"{_NAME}: every rank must hold at least one class, but ranks {empty} hold an "
+            f"empty shard (shard sizes {counts})"
+        )
+    return sum(counts[:rank]), sum(counts)
+
+
+def _require_group(process_group: dist.ProcessGroup | None) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{_NAME}: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first (or use "
+            "linear_ce.linear_cross_entropy for a weight that is not sharded)"
+        )
+    if dist.get_rank(process_group) < 0:
+        raise RuntimeError(f"{_NAME}: this process is not a member of process_group")
+
+
+def _reject_dtensors(**tensors: torch.Tensor | None) -> None:
+    """A DTensor would hide the shard layout behind its own dispatch; ask for local tensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    for name, value in tensors.items():
+        if isinstance(value, DTensor):
+            raise TypeError(
+                f"{_NAME}: {name} is a DTensor, which is not supported; pass plain tensors: "
+                "the local vocabulary shard linear_weight.to_local() (and linear_bias.to_local()) "
+                "of a weight sharded on dim 0, the replicated input, target, weight and "
+                "token_weight as local tensors (.to_local() / .full_tensor()), and "
+                "process_group=linear_weight.device_mesh.get_group()"
+            )
+
+
+def _layout(
+    linear_weight: torch.Tensor,
+    process_group: dist.ProcessGroup | None,
+    vocab_start: int | None,
+    num_classes: int | None,
+) -> tuple[int, int]:
+    if vocab_start is None and num_classes is None:
+        return shard_layout(linear_weight, process_group)
+    if vocab_start is None or num_classes is None:
+        raise ValueError(
+            f"{_NAME}: pass both vocab_start and num_classes, or neither (then they are "
+            f"gathered from the shard sizes); got vocab_start={vocab_start!r}, "
+            f"num_classes={num_classes!r}"
+        )
+    for name, value in (("vocab_start", vocab_start), ("num_classes", num_classes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{_NAME}: {name} must be an int, got {value!r}")
+    local = linear_weight.shape[0]
+    if local == 0:
+        raise ValueError(f"{_NAME}: the local shard linear_weight holds no class (shape[0] == 0)")
+    if vocab_start < 0 or vocab_start + local > num_classes:
+        raise ValueError(
+            f"{_NAME}: the local shard [vocab_start, vocab_start + {local}) = "
+            f"[{vocab_start}, {vocab_start + local}) does not lie in [0, num_classes={num_classes})"
+        )
+    return vocab_start, num_classes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything about a call except the three differentiable tensors."""
+
+    call: Call
+    plan: Plan
+    shard: VocabShard
+    needs: tuple[bool, bool, bool]
+    allow_retain_graph: bool
+
+
+def _with(call: Call, input, weight, bias) -> Call:
+    return dataclasses.replace(call, input=input, linear_weight=weight, linear_bias=bias)
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Loss of one shard's call; see the module doc for what is communicated when."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: _Spec):
+        call = _with(spec.call, input, weight, bias)
+        shard, plan = spec.shard, spec.plan
+        terms = row_terms(call, plan.acc_dtype, num_classes=shard.total)
+        scalar = call.reduction != "none"
+        need_x, need_w, need_b = spec.needs if scalar else (False, False, False)
+        result = run_chunks(
+            call, terms, plan, grad_input=need_x, grad_weight=need_w, grad_bias=need_b, vocab=shard
+        )
+        ctx.spec = spec
+        if scalar:
+            if result.grad_input is not None:
+                shard.sum_(result.grad_input)
+            ctx.grads = [result.grad_input, result.grad_weight, result.grad_bias]
+            loss = (result.row_loss.sum() * terms.normaliser).to(input.dtype)
+            z_term = (terms.zeta * terms.token * result.lse.square()).sum() * terms.normaliser
+        else:
+            ctx.save_for_backward(input.detach(), weight.detach(), None if bias is None else bias.detach())
+            loss = result.row_loss.to(input.dtype)
+            z_term = terms.zeta * terms.token * result.lse.square()
+        ctx.mark_non_differentiable(z_term, result.lse)
+        return loss, z_term, result.lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_z, _grad_lse):
+        spec: _Spec = ctx.spec
+        if spec.call.reduction != "none":
+            grads = ctx.grads
+            if any(need and g is None for g, need in zip(grads, spec.needs, strict=True)):
+                raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
+            if spec.allow_retain_graph:
+                scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+            else:
+                scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
+                ctx.grads = [None, None, None]
+            return (*scaled, None)
+
+        input, weight, bias = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        call = _with(spec.call, input, weight, bias)
+        shard, plan = spec.shard, spec.plan
+        terms = row_terms(
+            call, plan.acc_dtype, grad_output=grad_loss.contiguous(), num_classes=shard.total
+        )
+        result = run_chunks(
+            call, terms, plan,
+            grad_input=need_x, grad_weight=need_w, grad_bias=need_b and bias is not None,
+            vocab=shard,
+        )
+        if result.grad_input is not None:
+            shard.sum_(result.grad_input)
+        return result.grad_input, result.grad_weight, result.grad_bias, None
+
+
+def vocab_parallel_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    shift: bool | int = False,
+    token_weight: torch.Tensor | None = None,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    r""":func:`linear_ce.linear_cross_entropy` with the weight sharded along the vocabulary.
+
+    Every rank of ``process_group`` calls this with its own shard of the
+    output projection and the same ``input``, ``target``, ``weight`` and
+    ``token_weight``; every rank gets the same loss, equal to
+    ``linear_cross_entropy(input, W, target, ...)`` on the full
+    :math:`W = \mathrm{cat}(\text{shards})`. Gradients: ``linear_weight`` and
+    ``linear_bias`` get the gradient of their own rows (the matching slice of
+    the full one), ``input`` the full gradient (summed over ranks). The
+    collectives per call are listed in :mod:`linear_ce.distributed`.
+
+    All ranks must make the same calls with the same shapes, options,
+    ``requires_grad`` flags and upstream gradient (as when the loss is used
+    the same way on every rank); otherwise the collectives do not match up.
+
+    Args:
+        input: ``(*, F)`` hidden states, the same on every rank.
+        linear_weight: this rank's shard ``(V_r, F)`` (or ``(V_r, d1, …, dK, F)``),
+            rows ``[vocab_start, vocab_start + V_r)`` of the full weight. A
+            DTensor is rejected: pass ``.to_local()`` and its mesh's group.
+        target: class indices into the whole vocabulary ``[0, num_classes)``, or
+            probabilities ``(*, num_classes, d1, …, dK)`` over the whole vocabulary.
+        process_group: the group the vocabulary is sharded over; ``None`` is the
+            default (world) group.
+        vocab_start: first class of this rank's shard. With ``num_classes``, or
+            neither: then both come from one all_gather of the shard sizes, in
+            rank order (see :func:`shard_layout`). Shards may be uneven.
+        num_classes: classes of the whole vocabulary.
+        linear_bias: this rank's bias shard ``(V_r, d1, …, dK)`` or ``None``.
+        weight: class weights of the whole vocabulary ``(num_classes,)``.
+        reduction, ignore_index, label_smoothing, options, z_loss, return_z_loss,
+        return_lse, softcap, shift, token_weight: as in
+            :func:`linear_ce.linear_cross_entropy`; ``options`` must be the same
+            on every rank (the chunk size is planned from ``⌈num_classes / world⌉``
+            so that every rank runs the same number of chunks).
+
+    Returns:
+        The loss (identical on every rank), or :class:`LinearCrossEntropyOutput`
+        ``(loss, z_loss, lse)`` when ``return_z_loss`` or ``return_lse`` is set.
+
+    Example (one process per GPU, e.g. under ``torchrun``)::
+
+        >>> dist.init_process_group("nccl")
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> shard = full_lm_head.chunk(world)[rank].clone().requires_grad_()  # (V_r, F)
+        >>> loss = vocab_parallel_linear_cross_entropy(hidden, shard, labels, shift=True)
+        >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
+    """
+    _reject_dtensors(
+        input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias,
+        weight=weight, token_weight=token_weight,
+    )
+    if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() < 2:
+        raise ValueError(
+            f"{_NAME}: linear_weight must be this rank's shard, a Tensor of shape "
+            f"(V_local, in_features) or (V_local, d1, ..., dK, in_features), got "
+            f"{getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
+        )
+    _require_group(process_group)
+    vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
+    if options is None:
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, LinearCrossEntropyOptions):
+        raise TypeError(
+            f"{_NAME}: options must be a linear_ce.LinearCrossEntropyOptions or None, "
+            f"got {type(options).__name__}"
+        )
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        shift=shift,
+        token_weight=token_weight,
+        num_classes=num_classes,
+    )
+    _check_targets(call, num_classes)
+
+    rows, in_features = call.input.shape
+    world = dist.get_world_size(process_group)
+    plan = make_plan(
+        rows,
+        in_features,
+        -(-num_classes // world),
+        call.input.dtype,
+        call.input.device,
+        options,
+        softcap=call.softcap is not None,
+    )
+    grad_on = torch.is_grad_enabled()
+    spec = _Spec(
+        call=call,
+        plan=plan,
+        shard=VocabShard(vocab_start, num_classes, process_group),
+        needs=(
+            grad_on and call.input.requires_grad,
+            grad_on and call.linear_weight.requires_grad,
+            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+        ),
+        allow_retain_graph=options.allow_retain_graph,
+    )
+    loss, z_term, lse = _VocabParallelLoss.apply(
+        call.input, call.linear_weight, call.linear_bias, spec
+    )
+    if call.reduction == "none":
+        loss, z_term = loss.view(call.loss_shape), z_term.view(call.loss_shape)
+    if not (return_z_loss or return_lse):
+        return loss
+    return LinearCrossEntropyOutput(
+        loss,
+        z_term if return_z_loss else None,
+        lse.view(call.loss_shape) if return_lse else None,
+    )

@@ -1,0 +1,307 @@
+r"""Train Hugging Face ``*ForCausalLM`` models with :func:`linear_ce.linear_cross_entropy`.
+
+A patched model computes its training loss straight from the last hidden
+states and ``lm_head``: when ``labels`` are given, the ``(batch, seq, vocab)``
+logits are never built. Without ``labels`` (inference, ``generate``) the
+model's own ``forward`` runs unchanged.
+
+With labels the patched ``forward`` returns the model's usual output with
+``loss`` set and ``logits=None``; the loss equals the model's own
+(``ForCausalLMLoss``) up to float rounding:
+
+.. math::
+    \mathcal{L} = \frac{1}{D}\sum_{b,t\,:\,y_{b,t+1}\neq -100}
+        \Big[\mathrm{lse}(s_{b,t}) - s_{b,t,y_{b,t+1}}\Big],
+    \qquad s_{b,t} = c\,\tanh\!\big(W h_{b,t} / c\big)\ \text{(Gemma 2/3)}\ \text{or}\ W h_{b,t} + b
+
+where :math:`D` is ``num_items_in_batch`` when given (so micro-batches of
+one accumulated step add up to the big batch's loss and gradients), else the
+number of non-ignored labels. Handled exactly like the model does:
+
+- the label shift (position ``t`` predicts ``labels[:, t+1]``), or
+  ``shift_labels`` used as given;
+- ``ignore_index`` (-100 unless passed as a keyword, as the model accepts);
+- ``num_items_in_batch`` (passed by ``Trainer`` for gradient accumulation);
+- tied embeddings (``lm_head.weight`` *is* ``embed_tokens.weight``; both
+  uses add into one gradient);
+- ``config.final_logit_softcapping`` of Gemma 2 and Gemma 3;
+- ``lm_head.bias`` (Phi);
+- autocast: hidden states and ``lm_head`` weights are cast to the autocast
+  dtype, as ``lm_head`` itself would be.
+
+``logits_to_keep`` only selects which logits are returned; with labels none
+are, and the loss always covers every position. ``return_dict=False`` gives
+``output.to_tuple()``, which skips ``None`` fields: the tuple starts
+``(loss, cache, ...)`` without logits.
+
+The loss runs *inside a call of* ``lm_head`` (its ``forward`` is swapped for
+that one call), so hooks registered on it still fire around the loss:
+FSDP2's unshard/reshard and DeepSpeed ZeRO-3's parameter gathering see an
+ordinary ``lm_head`` call, and ``lm_head.weight`` is read at that moment,
+never cached. Wrappers that replace ``lm_head.forward`` itself are bypassed
+for that call.
+
+Example::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from linear_ce.integrations.transformers import patch
+    >>> config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+    ...                      num_hidden_layers=2, num_attention_heads=4)
+    >>> model = patch(LlamaForCausalLM(config))
+    >>> ids = torch.randint(0, 1000, (2, 32))
+    >>> out = model(input_ids=ids, labels=ids)       # out.logits is None
+    >>> out.loss.backward()
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import transformers
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from linear_ce.functional import linear_cross_entropy
+
+__all__ = [
+    "SUPPORTED_MODELS",
+    "is_patched",
+    "patch",
+    "patch_model_class",
+    "unpatch",
+    "unpatch_model_class",
+]
+
+#: Class names whose ``forward`` is "base model → last hidden states → lm_head
+#: (→ final-logit softcap) → ForCausalLMLoss"; the value says whether the
+#: softcap step exists.
+SUPPORTED_MODELS: dict[str, bool] = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": False,
+    "Qwen3ForCausalLM": False,
+    "GemmaForCausalLM": False,
+    "Gemma2ForCausalLM": True,
+    "Gemma3ForCausalLM": True,
+    "Phi3ForCausalLM": False,
+    "PhiForCausalLM": False,
+    "Olmo2ForCausalLM": False,
+    "Starcoder2ForCausalLM": False,
+    "SmolLM3ForCausalLM": False,
+}
+
+_MARK = "__linear_ce_original__"
+# Keywords the model's forward hands to its loss function, not to the base model.
+_LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels", "ignore_index")
+# Keywords that only shape the logits output, which the training path does not build.
+_LOGITS_KEYWORDS = ("logits_to_keep", "num_logits_to_keep")
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+ClassT = TypeVar("ClassT", bound=type)
+
+
+def _supported_names() -> str:
+    return ", ".join(name for name in SUPPORTED_MODELS if hasattr(transformers, name))
+
+
+def _family(cls: type) -> type:
+    """The supported transformers class ``cls`` is or derives from, with an unchanged ``forward``."""
+    for base in cls.__mro__:
+        if SUPPORTED_MODELS.get(base.__name__) is not None and getattr(
+            transformers, base.__name__, None
+        ) is base:
+            if _original(cls.forward) is not _original(base.forward):
+                raise TypeError(
+                    f"{cls.__name__} overrides forward() of {base.__name__}; linear_ce can only "
+                    f"replace the forward of the supported classes: {_supported_names()}"
+                )
+            return base
+    raise TypeError(
+        f"{cls.__name__} is not supported by linear_ce.integrations.transformers; supported "
+        f"classes (in transformers {transformers.__version__}): {_supported_names()}"
+    )
+
+
+def _original(forward: Callable[..., Any]) -> Callable[..., Any]:
+    return getattr(forward, _MARK, forward)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` (by :func:`patch`) or its class (by :func:`patch_model_class`) is patched."""
+    return hasattr(getattr(model.forward, "__func__", model.forward), _MARK)
+
+
+def patch(model: ModelT) -> ModelT:
+    """Make ``model`` compute its training loss with ``linear_cross_entropy``.
+
+    Replaces ``model.forward`` on this instance only (see the module
+    docstring for what changes); patching a patched model does nothing.
+
+    Args:
+        model: an instance of one of :data:`SUPPORTED_MODELS` (or of a subclass
+            that does not override ``forward``), e.g. ``LlamaForCausalLM``.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: for an unsupported model (the message lists the supported
+            classes), an ``lm_head`` that is not an ``nn.Linear``, or a model
+            whose loss function is not transformers' ``ForCausalLMLoss``.
+    """
+    family = _family(type(model))
+    _check_instance(model)
+    if not is_patched(model):
+        model.forward = _fused_forward(_original(family.forward)).__get__(model)
+    return model
+
+
+def unpatch(model: ModelT) -> ModelT:
+    """Undo :func:`patch`: ``model`` computes its loss from the logits again. Returns ``model``."""
+    if not hasattr(getattr(vars(model).get("forward"), "__func__", None), _MARK):
+        raise ValueError(
+            f"unpatch: this {type(model).__name__} was not patched by patch(); a class patched by "
+            "patch_model_class() is undone with unpatch_model_class()"
+        )
+    del model.forward
+    return model
+
+
+def patch_model_class(cls: ClassT) -> ClassT:
+    """Patch ``cls.forward`` so every instance, existing or future, uses ``linear_cross_entropy``.
+
+    Args:
+        cls: one of :data:`SUPPORTED_MODELS`, e.g. ``transformers.LlamaForCausalLM``.
+
+    Returns:
+        ``cls`` itself; patching twice does nothing.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"patch_model_class expects a model class, got {type(cls).__name__}; "
+                        "use patch(model) for an instance")
+    family = _family(cls)
+    if family is not cls:
+        raise TypeError(f"patch_model_class: patch {family.__name__} itself, not its subclass "
+                        f"{cls.__name__}")
+    if not hasattr(cls.forward, _MARK):
+        cls.forward = _fused_forward(cls.forward)
+    return cls
+
+
+def unpatch_model_class(cls: ClassT) -> ClassT:
+    """Undo :func:`patch_model_class`. Returns ``cls``."""
+    forward = vars(cls).get("forward")
+    if not hasattr(forward, _MARK):
+        raise ValueError(f"unpatch_model_class: {getattr(cls, '__name__', cls)!r} was not "
+                         "patched by patch_model_class()")
+    cls.forward = getattr(forward, _MARK)
+    return cls
+
+
+def _check_instance(model: nn.Module) -> None:
+    name = type(model).__name__
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"{name}.lm_head must be a torch.nn.Linear for linear_ce to read its weight, got "
+            f"{type(head).__name__}"
+        )
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        raise TypeError(f"{name} has no base model at .model; linear_ce needs its last hidden states")
+    if model.loss_function is not ForCausalLMLoss:
+        raise TypeError(
+            f"{name} uses the loss function {getattr(model.loss_function, '__name__', '?')} "
+            "(a custom loss_function or config.loss_type); linear_ce replaces only "
+            "transformers' ForCausalLMLoss"
+        )
+
+
+def _fused_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (a supported class's forward) with its labels branch computed by linear_ce."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("labels") is None:
+            return original(self, *args, **kwargs)
+        arguments: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            else:
+                arguments[name] = value
+        del arguments[next(iter(signature.parameters))]
+        _check_instance(self)
+        return _training_forward(self, arguments)
+
+    setattr(forward, _MARK, original)
+    return forward
+
+
+def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
+    labels = arguments.pop("labels")
+    num_items_in_batch = arguments.pop("num_items_in_batch", None)
+    shift_labels = arguments.pop("shift_labels", None)
+    ignore_index = arguments.pop("ignore_index", -100)
+    return_dict = arguments.pop("return_dict", None)
+    for name in _LOGITS_KEYWORDS:
+        arguments.pop(name, None)
+
+    outputs = model.model(**arguments, return_dict=True)
+    hidden = outputs.last_hidden_state
+    target = labels if shift_labels is None else shift_labels
+    softcap = (
+        getattr(model.config, "final_logit_softcapping", None)
+        if SUPPORTED_MODELS[_family(type(model)).__name__]
+        else None
+    )
+    loss = _loss_through_head(
+        model.lm_head,
+        hidden,
+        target.to(hidden.device),
+        shift=shift_labels is None,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        reduction="mean" if num_items_in_batch is None else "sum",
+    ).float()
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+
+    fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
+    output = CausalLMOutputWithPast(loss=loss, logits=None, **fields)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    return output if return_dict else output.to_tuple()
+
+
+def _loss_through_head(head: nn.Linear, hidden: torch.Tensor, target: torch.Tensor,
+                       **loss_args: Any) -> torch.Tensor:
+    """The loss, computed as the ``forward`` of one call of ``head`` so its hooks fire around it."""
+
+    def loss_forward(input: torch.Tensor) -> torch.Tensor:
+        weight, bias = head.weight, head.bias
+        device = input.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            input, weight = input.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return linear_cross_entropy(input, weight, target, linear_bias=bias, **loss_args)
+
+    own_forward = vars(head).get("forward")
+    head.forward = loss_forward
+    try:
+        return head(hidden)
+    finally:
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward

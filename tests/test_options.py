@@ -1,0 +1,117 @@
+"""LinearCrossEntropyOptions (frozen, validated, readable) and the chunk-size rule it selects."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from linear_ce import LinearCrossEntropyOptions
+from linear_ce.gemm import CudaOutDtype, SameDtype, Upcast
+from linear_ce.plan import choose_chunk_rows, make_plan
+
+
+def test_defaults():
+    opts = LinearCrossEntropyOptions()
+    assert (opts.allow_retain_graph, opts.batch_chunk_size, opts.chunking_method) == (False, None, "auto")
+    assert (opts.acc_policy, opts.acc_dtype) == ("auto", None)
+
+
+def test_frozen():
+    opts = LinearCrossEntropyOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.batch_chunk_size = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.acc_policy = "compact"
+
+
+def test_replace_validates():
+    opts = LinearCrossEntropyOptions(batch_chunk_size=8, chunking_method=None)
+    assert dataclasses.replace(opts, batch_chunk_size=16).batch_chunk_size == 16
+    with pytest.raises(ValueError, match="batch_chunk_size must be a positive int"):
+        dataclasses.replace(opts, batch_chunk_size=0)
+
+
+def test_equal_and_hashable():
+    a = LinearCrossEntropyOptions(acc_policy="compact", acc_dtype=torch.float32)
+    b = LinearCrossEntropyOptions(acc_policy="compact", acc_dtype=torch.float32)
+    assert a == b and hash(a) == hash(b)
+    assert a != LinearCrossEntropyOptions(acc_policy="balanced", acc_dtype=torch.float32)
+
+
+def test_repr_is_readable():
+    opts = LinearCrossEntropyOptions(batch_chunk_size=256, acc_policy="compact", acc_dtype=torch.float32)
+    assert repr(opts) == (
+        "LinearCrossEntropyOptions(allow_retain_graph=False, batch_chunk_size=256, "
+        "chunking_method='auto', acc_policy='compact', acc_dtype=torch.float32)"
+    )
+
+
+@pytest.mark.parametrize("method", [None, "auto", "budget", "budget:3", "aspect_ratio", "aspect_ratio:2"])
+def test_valid_chunking_methods(method):
+    assert LinearCrossEntropyOptions(chunking_method=method).chunking_method == method
+
+
+def _rows(rows, feat, classes, dtype=torch.float32, acc=None, softcap=False, **options):
+    return choose_chunk_rows(
+        rows, feat, classes, LinearCrossEntropyOptions(**options), dtype, acc or dtype, softcap
+    )
+
+
+def test_explicit_batch_chunk_size():
+    assert _rows(1000, 64, 50_000, batch_chunk_size=37) == 37
+    assert _rows(1000, 64, 50_000, batch_chunk_size=37, chunking_method=None) == 37
+    assert _rows(20, 64, 50_000, batch_chunk_size=37) == 20  # never more than the rows
+    assert _rows(0, 64, 50_000, batch_chunk_size=37) == 1
+
+
+def test_no_chunking_is_one_chunk():
+    assert _rows(1000, 64, 50_000, chunking_method=None) == 1000
+
+
+def test_aspect_ratio_rule():
+    # ceil(50000/256) = 196 classes per feature; ceil(4096/196) = 21 -> next power of two 32.
+    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio") == 32
+    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio:4") == 8
+    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio:64") == 1  # at least one row
+    # V <= F: ratio 1, all 100 rows -> 128, clamped to the rows.
+    assert _rows(100, 512, 300, chunking_method="aspect_ratio") == 100
+    # ceil(128256/4096) = 32; 8192/32 = 256 exactly (already a power of two).
+    assert _rows(8192, 4096, 128_256, chunking_method="aspect_ratio") == 256
+
+
+def test_budget_rule():
+    # Gradients (8192 + 32000)·4096·4 B = 658 505 728 B; a quarter is 164 626 432 B;
+    # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows.
+    assert _rows(8192, 4096, 32_000) == 1286
+    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1286
+    assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 643
+    assert _rows(8192, 4096, 32_000, softcap=True) == 643  # two scratch buffers
+    # bf16 gradients with fp32 scratch: half the budget for the same row bytes.
+    assert _rows(8192, 4096, 32_000, dtype=torch.bfloat16, acc=torch.float32) == 643
+    # Budget below 128 rows: 128 for efficient GEMMs (here the budget gives 69).
+    assert _rows(4096, 256, 50_000) == 128
+    assert _rows(4096, 256, 50_000, chunking_method="budget:4") == 32
+    # Never more than the rows.
+    assert _rows(100, 4096, 32_000) == 100
+    assert _rows(0, 4096, 32_000) == 1
+
+
+def test_plan_resolves_policy_and_backend():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def plan(dtype, device, **options):
+        return make_plan(64, 16, 100, dtype, device, LinearCrossEntropyOptions(**options))
+
+    p = plan(torch.float32, cpu)
+    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, SameDtype)
+    p = plan(torch.bfloat16, cpu)
+    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, Upcast)
+    p = plan(torch.float16, cpu, acc_policy="compact")
+    assert (p.weight_grad_dtype, type(p.gemm)) == (torch.float16, Upcast)
+    p = plan(torch.bfloat16, cpu, acc_dtype=torch.bfloat16)
+    assert (p.acc_dtype, type(p.gemm)) == (torch.bfloat16, SameDtype)
+    # CUDA: native half GEMMs with fp32 results, except for "accurate".
+    for policy, backend in [("accurate", Upcast), ("auto", Upcast), ("balanced", CudaOutDtype), ("compact", CudaOutDtype)]:
+        assert type(plan(torch.bfloat16, cuda, acc_policy=policy).gemm) is backend
+    assert type(plan(torch.float32, cuda, acc_policy="compact").gemm) is SameDtype
+    assert plan(torch.float32, cpu, batch_chunk_size=7).rows_per_chunk == 7

@@ -1,0 +1,361 @@
+"""Property-based tests: the chunked loss against the float64 plain expression.
+
+Hypothesis draws the whole call: shapes (one row, one class, N and V that are
+not multiples of the chunk, a chunk larger than N), dtype, accumulation
+policy and dtype, chunk rule, reduction, class weights, the fraction of
+ignored rows (0 to 100 %), bias, label smoothing, probability targets and
+the extras (z-loss, softcap, token weights, shift). The reference is
+``F.cross_entropy(F.linear(x, W, b), t, ...)`` in float64 on the same
+rounded inputs, plus the extras written out below. Loss and every gradient
+must be within ``3·eps(dtype)`` relative Frobenius error (for fp32, or twice
+the plain fp32 expression's own error where that is larger).
+
+Profiles (``tests/conftest.py``): ``ci`` (default, 60 derandomised examples
+per test) and ``long`` (``HYPOTHESIS_PROFILE=long``, 2000 random examples).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from conftest import eps, rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+import linear_ce
+from linear_ce import LinearCrossEntropyOptions
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+HALF = (torch.bfloat16, torch.float16)
+
+
+def plain_expression(x, W, target, *, b, class_weight, reduction, ignore_index, label_smoothing,
+                     z_loss, softcap, token_weight, prob):
+    """The definition, with full logits; returns ``(loss, z_loss term, lse per row)``.
+
+    Like ``F.cross_entropy``, "mean" over zero total weight is NaN with zero gradients
+    and ignored rows contribute exactly 0 to the loss.
+    """
+    logits = F.linear(x, W, b)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    kwargs = {"weight": class_weight, "label_smoothing": label_smoothing}
+    if not prob:
+        kwargs["ignore_index"] = ignore_index
+    lse = torch.logsumexp(logits, dim=-1)
+    per_row = F.cross_entropy(logits, target, reduction="none", **kwargs)
+    valid = torch.ones_like(per_row, dtype=torch.bool) if prob else target != ignore_index
+    omega = valid.to(per_row.dtype)
+    if class_weight is not None and not prob:
+        omega = omega * class_weight[torch.where(valid, target, 0)]
+    # An ignored row adds nothing, even a NaN lse (as cross_entropy masks its own term).
+    z_rows = torch.where(valid, z_loss * omega * lse.square(), 0.0)
+    rows = per_row + z_rows
+    if token_weight is not None:
+        rows, z_rows = rows * token_weight, z_rows * token_weight
+    if z_loss == 0.0 and token_weight is None:
+        loss = F.cross_entropy(logits, target, reduction=reduction, **kwargs)
+    elif reduction == "none":
+        loss = rows
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        total = omega.sum()
+        loss = rows.sum() / total if total != 0 else rows.sum() * 0.0 + math.nan
+    if reduction == "none":
+        z_term = z_rows
+    elif reduction == "sum":
+        z_term = z_rows.sum()
+    else:
+        z_term = z_rows.sum() / omega.sum()
+    return loss, z_term.detach(), lse.detach()
+
+
+@st.composite
+def calls(draw, dtypes=DTYPES):
+    """One complete call: tensors (in the tested dtype), keyword arguments, options."""
+    dtype = draw(st.sampled_from(dtypes))
+    rows = draw(st.integers(1, 40))
+    features = draw(st.integers(1, 12))
+    classes = draw(st.sampled_from([1, 2, 3, 7, 16, 31, 64]))
+    prob = draw(st.booleans()) and rows > 0
+    shift = 0 if prob else draw(st.sampled_from([0, 0, 0, 1, 2]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(st.sampled_from([0.1, 0.5, 1.0]))
+    x = (scale * torch.randn(rows, features, generator=g)).to(dtype)
+    W = (scale * torch.randn(classes, features, generator=g)).to(dtype)
+    b = (scale * torch.randn(classes, generator=g)).to(dtype) if draw(st.booleans()) else None
+    ignore_index = draw(st.sampled_from([-100, -1, classes - 1]))
+    if prob:
+        target = torch.softmax(2 * torch.randn(rows, classes, generator=g), dim=-1).to(dtype)
+        ignore_index = -100
+    else:
+        target = torch.randint(0, classes, (rows,), generator=g)
+        ignored = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]))
+        target[torch.rand(rows, generator=g) < ignored] = ignore_index
+        if ignored == 1.0:
+            target.fill_(ignore_index)
+        if draw(st.booleans()):
+            target = target.to(torch.int32)
+    class_weight = None
+    if draw(st.booleans()):
+        class_weight = (torch.rand(classes, generator=g) + draw(st.sampled_from([0.0, 0.5]))).to(dtype)
+    token_weight = torch.rand(rows, generator=g).to(dtype) if draw(st.booleans()) else None
+    kwargs = {
+        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
+        "label_smoothing": draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0])),
+        # V = 1 has an identically zero cross-entropy gradient; the z-loss gradient is then
+        # the whole result and a fused (A + 2ζ·lse)·p − a loses its relative precision.
+        "z_loss": draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1])) if classes > 1 else 0.0,
+        "softcap": draw(st.sampled_from([None, None, 0.5, 5.0])),
+        "ignore_index": None if prob or (ignore_index == -100 and draw(st.booleans()))
+        else ignore_index,
+    }
+    rule = draw(st.sampled_from(["size", "size", "method"]))
+    wider = [None] + [d for d in (torch.float32, torch.float64) if d.itemsize > dtype.itemsize]
+    policy = {
+        "acc_policy": draw(st.sampled_from(["auto", "accurate", "balanced", "compact"])),
+        "acc_dtype": draw(st.sampled_from(wider)),
+    }
+    if rule == "size":
+        options = LinearCrossEntropyOptions(
+            batch_chunk_size=draw(st.sampled_from([1, 2, 3, 5, 8, rows, rows + 7])), **policy
+        )
+    else:
+        method = draw(st.sampled_from(["auto", "budget:3", "aspect_ratio", "aspect_ratio:2", None]))
+        options = LinearCrossEntropyOptions(chunking_method=method, **policy)
+    needs = {
+        "x": draw(st.booleans()),
+        "W": draw(st.booleans()),
+        "b": draw(st.booleans()),
+    }
+    return {
+        "dtype": dtype, "x": x, "W": W, "b": b, "target": target, "class_weight": class_weight,
+        "token_weight": token_weight, "prob": prob, "shift": shift, "kwargs": kwargs,
+        "options": options, "needs": needs, "upstream": draw(st.sampled_from([1.0, 0.75, -2.0])),
+        "grad_rows": torch.randn(rows, generator=g),
+    }
+
+
+def _shifted(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
+    out = torch.full_like(target, ignore_index)
+    if shift < target.shape[0]:
+        out[: target.shape[0] - shift] = target[shift:]
+    return out
+
+
+def _leaves(case, dtype):
+    """Fresh leaves in ``dtype`` (values of the case's tensors), grads as drawn."""
+    x = case["x"].to(dtype).requires_grad_(case["needs"]["x"])
+    W = case["W"].to(dtype).requires_grad_(case["needs"]["W"])
+    b = None if case["b"] is None else case["b"].to(dtype).requires_grad_(case["needs"]["b"])
+    return x, W, b
+
+
+def _run_plain(case, dtype):
+    """Loss, lse and gradients of the plain expression evaluated in ``dtype``."""
+    x, W, b = _leaves(case, dtype)
+    kw = case["kwargs"]
+    ignore_index = -100 if kw["ignore_index"] is None else kw["ignore_index"]
+    target = case["target"]
+    if case["prob"]:
+        target = target.to(dtype)
+    else:
+        target = target.long()
+        if case["shift"]:
+            target = _shifted(target, case["shift"], ignore_index)
+    loss, z_term, lse = plain_expression(
+        x, W, target, b=b,
+        class_weight=None if case["class_weight"] is None else case["class_weight"].to(dtype),
+        reduction=kw["reduction"], ignore_index=ignore_index,
+        label_smoothing=kw["label_smoothing"], z_loss=kw["z_loss"], softcap=kw["softcap"],
+        token_weight=None if case["token_weight"] is None else case["token_weight"].to(dtype),
+        prob=case["prob"],
+    )
+    return loss, z_term, lse, _grads(case, loss, (x, W, b))
+
+
+def _grads(case, loss, leaves):
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    if not wanted:
+        return [None] * 3
+    if case["kwargs"]["reduction"] == "none":
+        upstream = case["grad_rows"].to(loss.dtype).view(loss.shape)
+    else:
+        upstream = torch.full_like(loss, case["upstream"])
+    found = iter(torch.autograd.grad(loss, wanted, upstream))
+    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _run_chunked(case):
+    dtype = case["dtype"]
+    x, W, b = _leaves(case, dtype)
+    out = linear_ce.linear_cross_entropy(
+        x.unsqueeze(0) if case["shift"] else x, W, case["target"].unsqueeze(0)
+        if case["shift"] else case["target"],
+        linear_bias=b, weight=case["class_weight"], token_weight=None
+        if case["token_weight"] is None else (case["token_weight"].unsqueeze(0)
+                                             if case["shift"] else case["token_weight"]),
+        shift=case["shift"], options=case["options"], return_lse=True, return_z_loss=True,
+        **case["kwargs"],
+    )
+    loss = out.loss.squeeze(0) if case["shift"] and out.loss.dim() else out.loss
+    return loss, out.lse.reshape(-1), out.z_loss, _grads(case, loss, (x, W, b))
+
+
+def _assert_close(name, got, ref, bound):
+    """Same NaN/Inf pattern and relative error within ``bound`` on the finite entries."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    got64, ref64 = got.detach().double(), ref.detach().double()
+    assert torch.equal(got64.isnan(), ref64.isnan()), f"{name}: NaN pattern differs"
+    assert torch.equal(got64.isinf(), ref64.isinf()), f"{name}: Inf pattern differs"
+    finite = ref64.isfinite()
+    err = rel_err(got64[finite], ref64[finite])
+    assert err <= bound, f"{name}: relative error {err:.3g} > bound {bound:.3g}"
+
+
+def _ld(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy().astype(np.longdouble)
+
+
+def _truth(case):
+    """Loss, z-loss term, lse and gradients in 80-bit extended precision (numpy longdouble),
+    from the definition: logits ``s`` (softcapped), ``p = softmax(s)``, target weights
+    ``a_ij`` as torch defines them, ``∂ℓ_i/∂s_ij = (Σ_j a_ij + 2λω_i·lse_i)·p_ij − a_ij``.
+
+    Used as the truth for float64 inputs, whose plain expression has rounding errors of its own.
+    """
+    kw = case["kwargs"]
+    x, W = _ld(case["x"]), _ld(case["W"])
+    rows, classes = x.shape[0], W.shape[0]
+    logits = x @ W.T
+    if case["b"] is not None:
+        logits = logits + _ld(case["b"])
+    cap = kw["softcap"]
+    if cap is not None:
+        th = np.tanh(logits / cap)
+        s, dcap = cap * th, 1 - th * th
+    else:
+        s, dcap = logits, np.ones_like(logits)
+    peak = s.max(axis=1, keepdims=True)
+    lse = peak[:, 0] + np.log(np.exp(s - peak).sum(axis=1))
+    p = np.exp(s - lse[:, None])
+    w = np.ones(classes, np.longdouble) if case["class_weight"] is None else _ld(case["class_weight"])
+    smooth = kw["label_smoothing"]
+    if case["prob"]:
+        a = ((1 - smooth) * _ld(case["target"]) + smooth / classes) * w
+        omega = np.ones(rows, np.longdouble)
+    else:
+        ignore_index = -100 if kw["ignore_index"] is None else kw["ignore_index"]
+        target = case["target"].long()
+        if case["shift"]:
+            target = _shifted(target, case["shift"], ignore_index)
+        target = target.numpy()
+        valid = target != ignore_index
+        safe = np.where(valid, target, 0)
+        a = np.zeros((rows, classes), np.longdouble)
+        a[np.arange(rows), safe] = (1 - smooth) * w[safe] * valid
+        a += (smooth / classes) * w[None, :] * valid[:, None]
+        omega = valid * w[safe]
+    z = kw["z_loss"]
+    tau = np.ones(rows, np.longdouble) if case["token_weight"] is None else _ld(case["token_weight"])
+    z_rows = z * omega * lse**2 * tau
+    loss_rows = (a * (lse[:, None] - s)).sum(axis=1) * tau + z_rows
+    reduction = kw["reduction"]
+    if reduction == "none":
+        loss, z_term, r = loss_rows, z_rows, _ld(case["grad_rows"]) * tau
+    elif reduction == "sum":
+        loss, z_term, r = loss_rows.sum(), z_rows.sum(), case["upstream"] * tau
+    elif omega.sum() == 0:
+        loss, z_term, r = np.longdouble("nan"), np.longdouble("nan"), 0 * tau
+    else:
+        total = omega.sum()
+        loss, z_term, r = loss_rows.sum() / total, z_rows.sum() / total, case["upstream"] * tau / total
+    G = r[:, None] * ((a.sum(axis=1) + 2 * z * omega * lse)[:, None] * p - a) * dcap
+    truth = (loss, z_term, lse, [G @ W, G.T @ x, G.sum(axis=0)])
+
+    # Magnitudes of the terms each output sums (|terms| instead of terms; the logits'
+    # own rounding scales with |x|·|W|ᵀ + |b|): a result that cancels below these
+    # cannot be computed to 3·eps of itself by any summation order.
+    mag = np.abs(x) @ np.abs(W).T
+    if case["b"] is not None:
+        mag = mag + np.abs(_ld(case["b"]))
+    lse_mag = np.abs(lse) + mag.max(axis=1)
+    z_mag = z * np.abs(omega) * (lse**2 + 2 * np.abs(lse) * lse_mag) * np.abs(tau)
+    loss_mag = (np.abs(a) * (np.abs(s) + mag + lse_mag[:, None])).sum(axis=1) * np.abs(tau) + z_mag
+    p_mag = p * (1 + mag + lse_mag[:, None])
+    coef = np.abs(a.sum(axis=1)) + 2 * z * np.abs(omega * lse)
+    G_mag = np.abs(r)[:, None] * (coef[:, None] * p_mag + np.abs(a)) * (2 - dcap)
+    norm = 1 if reduction != "mean" or omega.sum() == 0 else 1 / abs(omega.sum())
+    if reduction != "none":
+        loss_mag, z_mag = loss_mag.sum() * norm, z_mag.sum() * norm
+    mags = (loss_mag, z_mag, lse_mag,
+            [G_mag @ np.abs(W), G_mag.T @ np.abs(x), G_mag.sum(axis=0)])
+    return truth, mags
+
+
+def _ld_err(got: torch.Tensor, truth) -> float:
+    """Relative Frobenius error against an extended-precision truth (absolute if it is 0)."""
+    diff = _ld(got) - np.asarray(truth, np.longdouble).reshape(tuple(got.shape))
+    num = math.sqrt(float((diff * diff).sum()))
+    den = math.sqrt(float((np.asarray(truth, np.longdouble) ** 2).sum()))
+    return num / den if den > 0 else num
+
+
+def _norm(a) -> float:
+    a = np.asarray(a, np.longdouble)
+    return math.sqrt(float((a * a).sum()))
+
+
+def _check(name, got, plain64, truth, mag, acc, plain_same):
+    """``got`` against the float64 plain expression (for float64 inputs against the
+    extended-precision truth), relative error within the largest of ``3·eps(dtype)``,
+    twice the plain expression's own error in that dtype (fp32/fp64), and
+    ``eps(acc)·|terms|/|result|`` where the result cancels (see :func:`_truth`)."""
+    dtype = got.dtype
+    if dtype == torch.float64:
+        _assert_close(name, got, plain64, 1e-8)  # patterns, and a sanity check of the truth
+        truth64 = torch.from_numpy(np.asarray(truth, np.float64)).reshape(got.shape)
+        _assert_close(name, truth64, plain64.detach(), 1e-8)
+    if not plain64.isfinite().all():
+        _assert_close(name, got, plain64, math.inf)
+        return
+    size = _norm(truth)
+    cancel = eps(acc) * _norm(mag) / size if size > 0 else eps(acc) * _norm(mag)
+    bound = max(3 * eps(dtype), cancel)
+    if dtype == torch.float64:
+        bound = max(bound, 2 * _ld_err(plain64, truth))
+        err = _ld_err(got, truth)
+        assert err <= bound, f"{name}: relative error {err:.3g} > bound {bound:.3g}"
+        return
+    if dtype == torch.float32 and plain_same.isfinite().all():
+        bound = max(bound, 2 * rel_err(plain_same, plain64))
+    _assert_close(name, got, plain64, bound)
+
+
+@given(case=calls())
+def test_matches_float64_plain_expression(case):
+    dtype = case["dtype"]
+    acc = case["options"].acc_dtype or (torch.float32 if dtype in HALF else dtype)
+    loss, lse, z_term, grads = _run_chunked(case)
+    plain64 = _run_plain(case, torch.float64)
+    same = _run_plain(case, dtype)
+    truth, mags = _truth(case)
+
+    assert loss.dtype == dtype
+    _check("loss", loss, plain64[0], truth[0], mags[0], acc, same[0])
+    for i, name in enumerate(("grad_input", "grad_weight", "grad_bias")):
+        if plain64[3][i] is None:
+            assert grads[i] is None
+            continue
+        assert grads[i].dtype == dtype
+        _check(name, grads[i], plain64[3][i], truth[3][i], mags[3][i], acc, same[3][i])
+    # lse and the z-loss term are returned in the accumulation dtype.
+    assert lse.dtype == z_term.dtype == acc
+    same_acc = _run_plain(case, acc) if acc != dtype else same
+    _check("lse", lse, plain64[2], truth[2], mags[2], acc, same_acc[2])
+    _check("z_loss", z_term, plain64[1].reshape(z_term.shape), truth[1], mags[1], acc,
+           same_acc[1].reshape(z_term.shape))

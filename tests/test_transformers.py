@@ -1,0 +1,318 @@
+"""linear_ce.integrations.transformers against the models' own (logits-building) loss.
+
+The reference is always the same model unpatched, in float32: transformers'
+ForCausalLMLoss on the full logits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from linear_ce.integrations import transformers as lce_hf  # noqa: E402
+
+VOCAB = 151
+FAMILY_CONFIG = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {}),
+    "GemmaForCausalLM": ("GemmaConfig", {"head_dim": 8}),
+    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 3.0,
+                                           "sliding_window": 4}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": 8, "final_logit_softcapping": 3.0,
+                                               "sliding_window": 4}),
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "PhiForCausalLM": ("PhiConfig", {}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", {}),
+}
+FAMILIES = [name for name in FAMILY_CONFIG if hasattr(transformers, name)]
+
+
+def tiny_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A 2-layer random model of ``name`` whose logits are large enough for a softcap of 3 to matter."""
+    config_name, extra = FAMILY_CONFIG[name]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**extra, **overrides},
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(config).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.normal_()
+    return model
+
+
+def batch(seed: int, size: int = 2, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (size, length), generator=generator)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[-1, 5:7] = -100
+    return ids, labels
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64 = ref.double()
+    diff = (got.double() - ref64).norm().item()
+    scale = ref64.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == ref.keys()
+    worst = max(ref, key=lambda name: rel_err(got[name], ref[name]))
+    assert rel_err(got[worst], ref[worst]) <= 1e-5, worst
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_loss_and_every_gradient_match_the_model(name):
+    model = tiny_model(name)
+    ids, labels = batch(1)
+    ref = model(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    ref_grads = grads(model)
+    if lce_hf.SUPPORTED_MODELS[name]:
+        assert ref.logits.abs().max() > 0.9 * model.config.final_logit_softcapping
+    assert ref_grads["lm_head.weight" if "lm_head.weight" in ref_grads
+                     else "model.embed_tokens.weight"].norm() > 0
+
+    lce_hf.patch(model)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None
+    assert out.loss.dtype == torch.float32
+    assert rel_err(out.loss.detach(), ref.loss.detach()) <= 1e-5
+    assert_same_grads(grads(model), ref_grads)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+def test_gradient_accumulation_equals_one_big_batch(name):
+    model = tiny_model(name)
+    ids, labels = batch(2, size=4)
+    labels[2, :] = -100
+    ref = model(input_ids=ids, labels=labels).loss
+    ref.backward()
+    ref_grads = grads(model)
+
+    lce_hf.patch(model)
+    num_items = (labels[:, 1:] != -100).sum()
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=num_items)
+        out.loss.backward()
+        total += out.loss.item()
+    assert total == pytest.approx(ref.item(), rel=1e-5)
+    assert_same_grads(grads(model), ref_grads)
+
+
+def test_tied_embeddings_share_one_gradient():
+    model = tiny_model("LlamaForCausalLM", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, labels = batch(3)
+    model(input_ids=ids, labels=labels).loss.backward()
+    ref_grads = grads(model)
+    lce_hf.patch(model)(input_ids=ids, labels=labels).loss.backward()
+    got = grads(model)
+    assert "lm_head.weight" not in got
+    assert_same_grads(got, ref_grads)
+
+
+def test_shift_labels_ignore_index_and_tuple_output_match_the_model():
+    model = tiny_model("Qwen3ForCausalLM")
+    ids, labels = batch(4)
+    shift_labels = torch.roll(labels, -2, dims=-1)
+    shift_labels[:, -2:] = -100
+    odd_labels = torch.where(labels == -100, -1, labels)
+    calls = [
+        {"labels": labels, "shift_labels": shift_labels},
+        {"labels": odd_labels, "ignore_index": -1},
+        {"labels": labels, "return_dict": False},
+        {"labels": labels, "logits_to_keep": 0, "output_hidden_states": True},
+    ]
+    refs = [model(input_ids=ids, **kwargs) for kwargs in calls]
+    lce_hf.patch(model)
+    for kwargs, ref in zip(calls, refs, strict=True):
+        out = model(input_ids=ids, **kwargs)
+        if kwargs.get("return_dict") is False:
+            assert isinstance(out, tuple) and len(out) == len(ref) - 1
+            out, ref = (out[0], None), (ref[0], ref[1])
+        else:
+            assert out.logits is None
+            if "output_hidden_states" in kwargs:
+                assert all(torch.equal(a, b) for a, b in
+                           zip(out.hidden_states, ref.hidden_states, strict=True))
+        assert rel_err(out[0].detach(), ref[0].detach()) <= 1e-5
+
+
+def test_inference_is_unchanged_and_unpatch_restores_the_model():
+    model = tiny_model("Gemma2ForCausalLM")
+    ids, labels = batch(5)
+    with torch.no_grad():
+        plain = model(input_ids=ids, labels=labels)
+        plain_kept = model(input_ids=ids, logits_to_keep=1)
+        assert not lce_hf.is_patched(model)
+        lce_hf.patch(model)
+        assert lce_hf.is_patched(model) and lce_hf.patch(model) is model
+        assert model(input_ids=ids, labels=labels).logits is None
+        assert torch.equal(model(input_ids=ids, logits_to_keep=1).logits, plain_kept.logits)
+        lce_hf.unpatch(model)
+        assert not lce_hf.is_patched(model)
+        again = model(input_ids=ids, labels=labels)
+    assert torch.equal(again.loss, plain.loss) and torch.equal(again.logits, plain.logits)
+    with pytest.raises(ValueError, match="was not patched"):
+        lce_hf.unpatch(model)
+
+
+def test_patch_model_class_patches_new_instances_until_undone():
+    cls = transformers.MistralForCausalLM
+    ids, labels = batch(6)
+    plain = tiny_model("MistralForCausalLM")
+    ref = plain(input_ids=ids, labels=labels)
+    try:
+        assert lce_hf.patch_model_class(cls) is cls
+        fresh = tiny_model("MistralForCausalLM")
+        assert lce_hf.is_patched(fresh) and lce_hf.is_patched(plain)
+        out = fresh(input_ids=ids, labels=labels)
+        assert out.logits is None
+        assert rel_err(out.loss.detach(), ref.loss.detach()) <= 1e-5
+    finally:
+        lce_hf.unpatch_model_class(cls)
+    restored = tiny_model("MistralForCausalLM")(input_ids=ids, labels=labels)
+    assert torch.equal(restored.logits, ref.logits) and torch.equal(restored.loss, ref.loss)
+    with pytest.raises(ValueError, match="was not patched by patch_model_class"):
+        lce_hf.unpatch_model_class(cls)
+
+
+def test_lm_head_weight_is_read_inside_its_own_call():
+    """A ZeRO-3-like head: its weight is empty except between its pre- and post-forward hooks."""
+    model = tiny_model("LlamaForCausalLM")
+    ids, labels = batch(7)
+    head = model.lm_head
+    full = head.weight.data
+    calls = []
+
+    def gather(module, args):
+        calls.append("gather")
+        module.weight.data = full
+
+    def release(module, args, output):
+        calls.append("release")
+        module.weight.data = torch.empty(0)
+
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels).loss
+        head.register_forward_pre_hook(gather)
+        head.register_forward_hook(release)
+        head.weight.data = torch.empty(0)
+        out = lce_hf.patch(model)(input_ids=ids, labels=labels)
+    assert calls == ["gather", "release"]
+    assert rel_err(out.loss, ref) <= 1e-5
+
+
+def test_autocast_runs_the_loss_in_the_autocast_dtype(monkeypatch):
+    model = tiny_model("LlamaForCausalLM")
+    ids, labels = batch(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(input_ids=ids, labels=labels).loss
+    seen = []
+    real = lce_hf.linear_cross_entropy
+
+    def spy(input, linear_weight, target, **kwargs):
+        seen.append((input.dtype, linear_weight.dtype))
+        return real(input, linear_weight, target, **kwargs)
+
+    monkeypatch.setattr(lce_hf, "linear_cross_entropy", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lce_hf.patch(model)(input_ids=ids, labels=labels).loss
+    out.backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    assert rel_err(out.detach(), ref.detach()) <= 3 * torch.finfo(torch.bfloat16).eps
+
+
+def test_unsupported_models_are_refused_with_the_supported_list():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    with pytest.raises(TypeError, match=r"GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+        lce_hf.patch(gpt2)
+    with pytest.raises(TypeError, match="is not supported"):
+        lce_hf.patch_model_class(transformers.GPT2LMHeadModel)
+
+    class Custom(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    with pytest.raises(TypeError, match="overrides forward"):
+        lce_hf.patch(Custom(tiny_model("LlamaForCausalLM").config))
+
+    model = tiny_model("LlamaForCausalLM")
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.raises(TypeError, match=r"lm_head must be a torch.nn.Linear"):
+        lce_hf.patch(model)
+
+    model = tiny_model("LlamaForCausalLM")
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.sum()
+    with pytest.raises(TypeError, match="ForCausalLMLoss"):
+        lce_hf.patch(model)
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import torch, transformers
+    from linear_ce.integrations.transformers import patch
+
+    V, B, T = 50_000, 8, 256
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=T,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = patch(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, V, (B, T))
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    print(status("VmHWM") - before, int(out.logits is None))
+    """
+)
+
+
+@pytest.mark.slow
+def test_training_step_never_allocates_the_logits():
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert result.returncode == 0, result.stderr
+    peak, no_logits = map(int, result.stdout.split()[-2:])
+    logits_bytes = 8 * 256 * 50_000 * 4
+    assert no_logits == 1
+    assert peak < 0.25 * logits_bytes, f"peak {peak / 1e6:.1f} MB vs logits {logits_bytes / 1e6:.0f} MB"
