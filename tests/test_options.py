@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.gemm import CudaOutDtype, SameDtype, Upcast
+from linear_ce.capability import native_half_gemm
+from linear_ce.gemm import CudaOutDtype, NativeHalf, SameDtype, Upcast
 from linear_ce.plan import choose_chunk_rows, make_plan
 
 
@@ -104,8 +105,16 @@ def test_plan_resolves_policy_and_backend():
 
     p = plan(torch.float32, cpu)
     assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, SameDtype)
-    p = plan(torch.bfloat16, cpu)
+    p = plan(torch.bfloat16, cpu, acc_policy="accurate")
     assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, Upcast)
+    # "auto" for half inputs on a CPU: native half GEMMs and a half weight-gradient where the CPU has them.
+    for dtype in (torch.bfloat16, torch.float16):
+        p = plan(dtype, cpu)
+        expected = (
+            ("compact", dtype, NativeHalf) if native_half_gemm(dtype, cpu)
+            else ("accurate", torch.float32, Upcast)
+        )
+        assert (p.policy, p.weight_grad_dtype, type(p.gemm)) == expected
     p = plan(torch.float16, cpu, acc_policy="compact")
     assert (p.weight_grad_dtype, type(p.gemm)) == (torch.float16, Upcast)
     p = plan(torch.bfloat16, cpu, acc_dtype=torch.bfloat16)

@@ -21,11 +21,11 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import eps, rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
 import linear_ce
+from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -136,7 +136,7 @@ def calls(draw, dtypes=DTYPES):
         "dtype": dtype, "x": x, "W": W, "b": b, "target": target, "class_weight": class_weight,
         "token_weight": token_weight, "prob": prob, "shift": shift, "kwargs": kwargs,
         "options": options, "needs": needs, "upstream": draw(st.sampled_from([1.0, 0.75, -2.0])),
-        "grad_rows": torch.randn(rows, generator=g),
+        "grad_rows": torch.randn(rows, generator=g).to(dtype),
     }
 
 

@@ -291,6 +291,14 @@ _MEMORY_SCRIPT = textwrap.dedent(
     model = patch(transformers.LlamaForCausalLM(config))
     ids = torch.randint(0, V, (B, T))
 
+    def step():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        return out
+
+    step()
+
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
@@ -298,8 +306,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
+    out = step()
     print(status("VmHWM") - before, int(out.logits is None))
     """
 )

@@ -58,7 +58,6 @@ def run_chunks(
     chunk = min(plan.rows_per_chunk, max(rows, 1))
     logits_buf = torch.empty((chunk, local_classes), dtype=acc, device=device)
     softcap_buf = torch.empty_like(logits_buf) if softcap is not None else None
-    grad_x_buf = torch.empty((chunk, in_features), dtype=acc, device=device) if grad_input else None
 
     row_loss = torch.zeros((rows, positions), dtype=acc, device=device)
     lse_out = torch.zeros((rows, positions), dtype=acc, device=device)
@@ -149,9 +148,7 @@ def run_chunks(
             if grad_input or grad_weight:
                 g_op = gemm.operand(S)
             if grad_input:
-                gx = grad_x_buf[:n]
-                gemm.grad_input(gx, g_op, w_op)
-                grad_x[start:stop].add_(gx)
+                gemm.add_grad_input(grad_x[start:stop], g_op, w_op)
             if grad_weight:
                 gemm.weight_grad(grad_w[:, p, :], g_op, x_op)
 

@@ -12,6 +12,10 @@ decides the operand dtype and how a mixed-precision product is formed:
 - ``CudaOutDtype``: CUDA: half operands, fp32 results via
   ``torch.mm(..., out_dtype=torch.float32)``; the softmax is rounded to the
   half dtype before the gradient GEMMs.
+- ``NativeHalf``: CPUs with native half GEMMs (AVX512-BF16/AMX, see
+  :mod:`linear_ce.capability`), where CPU torch has no ``out_dtype``: half
+  operands and half results (each accumulated in fp32 inside the GEMM, then
+  rounded once), copied into the fp32 buffers. No fp32 copy of the weight.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["CudaOutDtype", "Gemm", "SameDtype", "Upcast"]
+__all__ = ["CudaOutDtype", "Gemm", "NativeHalf", "SameDtype", "Upcast"]
 
 _VOCAB_BLOCK = 4096
 
@@ -41,9 +45,13 @@ class Gemm:
         """``out = x @ weight.T``."""
         torch.mm(x, weight.T, out=out)
 
-    def grad_input(self, out: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
-        """``out = grad_logits @ weight``."""
-        torch.mm(grad_logits, weight, out=out)
+    def add_grad_input(self, acc: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
+        """``acc += grad_logits @ weight`` (in the GEMM itself where dtypes allow:
+        no buffer, no extra pass)."""
+        if acc.dtype == grad_logits.dtype:
+            acc.addmm_(grad_logits, weight)
+        else:
+            acc.add_(self._product(grad_logits, weight))
 
     def weight_grad(self, acc: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """``acc += grad_logits.T @ x``; ``acc`` may be narrower than the product
@@ -73,8 +81,13 @@ class CudaOutDtype(Gemm):
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         torch.mm(x, weight.T, out_dtype=out.dtype, out=out)
 
-    def grad_input(self, out: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
-        torch.mm(grad_logits, weight, out_dtype=out.dtype, out=out)
-
     def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b, out_dtype=torch.float32)
+
+
+class NativeHalf(Gemm):
+    """Half operands and half products on a CPU with native half GEMMs; the
+    logits are rounded to the half dtype once, then widened into the buffer."""
+
+    def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        out.copy_(x @ weight.T)

@@ -65,12 +65,17 @@ class LinearCrossEntropyOptions:
               ``acc_dtype``; the weight gradient is accumulated across chunks
               in an ``acc_dtype`` ``(V, F)`` buffer (``V·F·4`` bytes for fp32).
             - ``"balanced"``: as ``"accurate"``, but where the device has native
-              fp16/bf16 GEMMs (CUDA) the gradient GEMMs read the softmax in the
-              input dtype. Identical to ``"accurate"`` on CPU.
+              fp16/bf16 GEMMs the GEMMs read their operands in the input dtype
+              (CUDA: fp32 results; a CPU with AVX512-BF16/AMX: the products are
+              rounded to the input dtype once, logits included). Identical to
+              ``"accurate"`` on other CPUs.
             - ``"compact"``: no ``(V, F)`` accumulator: each chunk's weight
-              gradient is added straight into the input-dtype result, in
-              vocabulary blocks. Least memory, one rounding per chunk.
-            - ``"auto"`` (default): ``"accurate"``.
+              gradient is added straight into the input-dtype result (in the
+              GEMM itself, or in vocabulary blocks). Least memory, one rounding
+              per chunk; native half GEMMs as for ``"balanced"``.
+            - ``"auto"`` (default): ``"compact"`` for half inputs on a CPU with
+              native half GEMMs (fastest, and the only policy within 2.5× the
+              gradients' bytes there), ``"accurate"`` everywhere else.
         acc_dtype: accumulation dtype. ``None``: float32 for fp16/bf16 input,
             the input dtype otherwise. Must not be narrower than the input.
 

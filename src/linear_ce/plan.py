@@ -10,7 +10,8 @@ import dataclasses
 
 import torch
 
-from linear_ce.gemm import CudaOutDtype, Gemm, SameDtype, Upcast
+from linear_ce.capability import native_half_gemm
+from linear_ce.gemm import CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = ["MIN_EFFICIENT_ROWS", "Plan", "acc_dtype_for", "choose_chunk_rows", "make_plan"]
@@ -114,14 +115,31 @@ def make_plan(
     options: LinearCrossEntropyOptions,
     softcap: bool = False,
 ) -> Plan:
-    """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend."""
+    """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
+
+    ``acc_policy="auto"`` is ``"compact"`` for half inputs on a CPU with native
+    half GEMMs (:func:`~linear_ce.capability.native_half_gemm`): there an fp32
+    GEMM is several times slower and an fp32 ``(V, F)`` weight-gradient
+    accumulator alone exceeds the 2.5× memory bound of the gradients' bytes
+    whenever ``V > 3·N``. Everywhere else it is ``"accurate"``.
+    """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
-    policy = "accurate" if options.acc_policy == "auto" else options.acc_policy
     mixed = acc_dtype != input_dtype
+    native_cpu = (
+        mixed
+        and device.type == "cpu"
+        and acc_dtype == torch.float32
+        and native_half_gemm(input_dtype, device)
+    )
+    policy = options.acc_policy
+    if policy == "auto":
+        policy = "compact" if native_cpu else "accurate"
     if not mixed:
         gemm: Gemm = SameDtype(input_dtype)
     elif device.type == "cuda" and policy != "accurate" and acc_dtype == torch.float32:
         gemm = CudaOutDtype(input_dtype)
+    elif native_cpu and policy != "accurate":
+        gemm = NativeHalf(input_dtype)
     else:
         gemm = Upcast(acc_dtype)
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype

@@ -64,6 +64,26 @@ class RowTerms:
     class_weight: torch.Tensor | None
 
 
+#: Elements of a probability target upcast at a time: the row sums need a
+#: bounded scratch, not an acc-dtype copy of the whole ``(N, C)`` target.
+_TARGET_BLOCK_ELEMENTS = 1 << 22
+
+
+def _weighted_target_sum(
+    target: torch.Tensor, class_weight: torch.Tensor | None, acc_dtype: torch.dtype
+) -> torch.Tensor:
+    """:math:`\\sum_c w_c q_{icp}` of an ``(N, C, P)`` target, ``(N, P)`` in ``acc_dtype``."""
+    rows, classes, positions = target.shape
+    block = max(1, _TARGET_BLOCK_ELEMENTS // max(classes * positions, 1))
+    out = torch.empty((rows, positions), dtype=acc_dtype, device=target.device)
+    for start in range(0, rows, block):
+        q = target[start : start + block].to(acc_dtype)
+        out[start : start + block] = (
+            q.sum(1) if class_weight is None else torch.einsum("ncp,c->np", q, class_weight)
+        )
+    return out
+
+
 def row_terms(
     call: Call,
     acc_dtype: torch.dtype,
@@ -91,8 +111,7 @@ def row_terms(
         valid = torch.ones((rows, positions), dtype=torch.bool, device=device)
         omega = torch.ones((rows, positions), dtype=acc_dtype, device=device)
         alpha = torch.zeros_like(omega)
-        q = call.target.to(acc_dtype)
-        weighted_q = q.sum(1) if class_weight is None else torch.einsum("ncp,c->np", q, class_weight)
+        weighted_q = _weighted_target_sum(call.target, class_weight, acc_dtype)
         A = (1.0 - eps) * weighted_q + (eps / num_classes) * weight_total
         beta, gamma = torch.full_like(omega, eps / num_classes), 1.0 - eps
     else:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             points, args.variant_list, args.repeats,
             lambda text, calls: progress.update(task, advance=calls, description=text),
         )
-    summaries = [(p, report.summarize(p, m)) for p, m in zip(points, results)]
+    summaries = [(p, report.summarize(p, m)) for p, m in zip(points, results, strict=True)]
     meta = {"machine": report.machine(), "repeats": args.repeats, "device": args.device,
             "command": " ".join(["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])])}
     info = meta["machine"]

@@ -45,8 +45,15 @@ def _trim() -> None:
             libc.malloc_trim(0)
 
 
-def _cpu(call: Callable[[], None]) -> Sample:
+def _reset(call: Callable[[], None]) -> None:
+    reset = getattr(call, "reset", None)
+    if reset is not None:
+        reset()
     gc.collect()
+
+
+def _cpu(call: Callable[[], None]) -> Sample:
+    _reset(call)
     _trim()
     before = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
@@ -58,7 +65,7 @@ def _cpu(call: Callable[[], None]) -> Sample:
 
 
 def _cuda(call: Callable[[], None], device: torch.device) -> Sample:
-    gc.collect()
+    _reset(call)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -72,7 +79,8 @@ def _cuda(call: Callable[[], None], device: torch.device) -> Sample:
 
 
 def measure(call: Callable[[], None], device: torch.device) -> Sample:
-    """Time and transient peak memory of one ``call()`` on ``device``."""
+    """Time and transient peak memory of one ``call()`` on ``device``; a
+    ``call.reset()``, where present, runs first (outside both)."""
     if device.type == "cuda":
         return _cuda(call, device)
     return _cpu(call)

@@ -45,7 +45,7 @@ def _paired_ratio(times: list[float], ref: list[float]) -> float | None:
     if not times or not ref:
         return None
     if len(times) == len(ref):
-        return statistics.median(t / r for t, r in zip(times, ref))
+        return statistics.median(t / r for t, r in zip(times, ref, strict=True))
     return statistics.median(times) / statistics.median(ref)
 
 
@@ -139,7 +139,7 @@ def write_plot(
             order = sorted(range(len(line["x"])), key=line["x"].__getitem__)
             xs = [line["x"][i] for i in order]
             label = variant if len({o for o, _ in series}) == 1 else (
-                f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others))})"
+                f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others, strict=True))})"
             )
             style = "--" if variant.startswith("floor") else "-"
             axes[0][col].plot(xs, [line["t"][i] for i in order], style, marker="o", label=label)

@@ -34,7 +34,7 @@ class Measured:
 class _Worker:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "linear_ce.bench.worker", name],
             stdin=subprocess.PIPE,

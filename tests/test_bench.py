@@ -1,0 +1,75 @@
+"""The benchmark report runs end to end at tiny shapes (no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from linear_ce.bench import config
+from linear_ce.bench.variants import DEFAULT, VARIANTS
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_report_end_to_end(tmp_path):
+    plot, out = tmp_path / "bench.png", tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "linear_ce.bench", "--shapes", "32,16,64", "--dtype", "fp32,bf16",
+         "--sweep", "V=32,64", "--repeats", "1", "--plot", str(plot), "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    # The table names every default variant, measured or with the reason it was not.
+    for name in DEFAULT:
+        assert name in proc.stdout, f"{name} missing from the table:\n{proc.stdout}"
+
+    assert plot.read_bytes()[:8] == PNG_SIGNATURE
+    import matplotlib.image
+
+    image = matplotlib.image.imread(plot)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+    data = json.loads(out.read_text())
+    labels = {(p["V"], p["dtype"]) for p in data["points"]}
+    assert labels == {(32, "fp32"), (64, "fp32"), (64, "bf16")}
+    for point in data["points"]:
+        assert [row["variant"] for row in point["rows"]] == list(DEFAULT)
+        assert point["grad_bytes"] == (point["N"] + point["V"]) * point["D"] * (
+            4 if point["dtype"] == "fp32" else 2
+        )
+        rows = {row["variant"]: row for row in point["rows"]}
+        # Every variant that can run here produced a time; the floors are their own reference.
+        for name in ("plain", "linear_ce", "floor-fwd", "linear_ce-fwd"):
+            assert rows[name]["seconds"] is not None and rows[name]["seconds"] > 0, rows[name]
+        reference = "floor-fp32" if point["dtype"] == "bf16" else "floor"
+        assert rows[reference]["ratio"] == pytest.approx(1.0)
+    assert data["machine"]["cores"] >= 1 and data["machine"]["torch"]
+
+
+def test_points_sweep_and_dedup():
+    points = config.points([(8, 4, 16)], ["fp32", "bf16"], "cpu", ("V", [16, 32]), ["fp32"])
+    assert [(p.V, p.dtype) for p in points] == [(16, "fp32"), (32, "fp32"), (16, "bf16")]
+    assert points[0].grad_bytes == (8 + 16) * 4 * 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("8,4", "three integers"), ("8,0,4", "positive integer"), ("a,4,4", "positive integer")],
+)
+def test_bad_shapes(text, message):
+    with pytest.raises(ValueError, match=message):
+        config.parse_shapes(text)
+
+
+def test_bad_cli_values():
+    from linear_ce.bench.__main__ import parse_args
+
+    for argv in (["--dtype", "int8"], ["--sweep", "Q=1"], ["--variants", "nope"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert set(DEFAULT) <= set(VARIANTS)
