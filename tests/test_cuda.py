@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import eps, rel_err
 
 import linear_ce
+from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.gemm import CudaOutDtype, SameDtype, Upcast
 from linear_ce.plan import make_plan
@@ -43,20 +43,35 @@ def _inputs(n, f, c, dtype, seed):
 
 def _run(fn, device, x, W, b, w, t, up, reduction, **kwargs):
     """``[loss, grad_x, grad_W, grad_b]`` of ``fn`` on ``device``, returned on the CPU."""
-    leaves = [a.to(device).requires_grad_() for a in (x, W, b)]
-    loss = fn(leaves[0], leaves[1], t.to(device), linear_bias=leaves[2], weight=w.to(device),
-              reduction=reduction, ignore_index=1000, **kwargs)
+    leaves = [a.detach().to(device, copy=True).requires_grad_() for a in (x, W, b)]
+    loss = fn(
+        leaves[0],
+        leaves[1],
+        t.to(device),
+        linear_bias=leaves[2],
+        weight=w.to(device),
+        reduction=reduction,
+        ignore_index=1000,
+        **kwargs,
+    )
     loss.backward(up.to(device=device, dtype=loss.dtype) if reduction == "none" else None)
     return [r.cpu() for r in [loss.detach()] + [leaf.grad for leaf in leaves]]
 
 
 def _plain(x, W, t, *, linear_bias, weight, reduction, ignore_index):
-    return F.cross_entropy(F.linear(x, W, linear_bias), t, weight=weight, reduction=reduction,
-                           ignore_index=ignore_index)
+    return F.cross_entropy(
+        F.linear(x, W, linear_bias),
+        t,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+    )
 
 
 def _reference(x, W, b, w, t, up, reduction):
-    return _run(_plain, "cpu", x.double(), W.double(), b.double(), w.double(), t, up.double(), reduction)
+    return _run(
+        _plain, "cpu", x.double(), W.double(), b.double(), w.double(), t, up.double(), reduction
+    )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -85,7 +100,9 @@ def test_half_precision_accuracy(dtype, policy, reduction, shape, chunk):
     options = LinearCrossEntropyOptions(batch_chunk_size=chunk, acc_policy=policy)
     got = _run(linear_ce.linear_cross_entropy, CUDA, x, W, b, w, t, up, reduction, options=options)
     ref = _reference(x, W, b, w, t, up, reduction)
-    for name, g, r in zip(["loss", "grad_input", "grad_weight", "grad_bias"], got, ref, strict=True):
+    for name, g, r in zip(
+        ["loss", "grad_input", "grad_weight", "grad_bias"], got, ref, strict=True
+    ):
         assert g.dtype == dtype
         err = rel_err(g, r)
         assert err <= 3 * eps(dtype), f"{name}: {err / eps(dtype):.2f} eps"
@@ -106,7 +123,9 @@ def test_float32_accuracy(reduction):
         assert rel_err(g, r) <= max(3 * eps(torch.float32), 2 * rel_err(p, r))
 
 
-@pytest.mark.parametrize(("dtype", "policy"), [(torch.float32, "auto"), (torch.bfloat16, "compact")], ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "policy"), [(torch.float32, "auto"), (torch.bfloat16, "compact")], ids=str
+)
 def test_cuda_memory_without_logits(dtype, policy):
     n, f, v = 4096, 256, 50000
     gen = torch.Generator(device=CUDA).manual_seed(2)

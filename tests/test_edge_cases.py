@@ -107,7 +107,8 @@ def test_non_finite_inputs_propagate_like_the_plain_expression(extras, reduction
         names = ("loss", "grad_input", "grad_weight", "grad_bias")
         for name, a, r in zip(names, got, ref, strict=True):
             _patterns_equal(f"{case} {name}", a, r, 3 * eps(dtype))
-        _patterns_equal(f"{case} lse", out.lse, lse, 3 * eps(torch.float32))
+        # lse may come from logits rounded to the input dtype (native half GEMMs on CPU)
+        _patterns_equal(f"{case} lse", out.lse, lse, 3 * eps(dtype))
 
 
 # ---------------------------------------------------------------- edge cases

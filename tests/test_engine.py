@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import eps, rel_err
 
 import linear_ce
 import linear_ce.ops
+from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -38,25 +38,41 @@ def _inputs(n, f, c, dtype, class_weight, ignore_index, bias, seed=0):
     x = torch.randn(n, f, generator=gen, dtype=torch.float64).to(dtype)
     W = (torch.randn(c, f, generator=gen, dtype=torch.float64) * (2 / f**0.5)).to(dtype)
     b = torch.randn(c, generator=gen, dtype=torch.float64).to(dtype) if bias else None
-    w = (torch.rand(c, generator=gen, dtype=torch.float64) + 0.2).to(dtype) if class_weight else None
+    w = (
+        (torch.rand(c, generator=gen, dtype=torch.float64) + 0.2).to(dtype)
+        if class_weight
+        else None
+    )
     t = torch.randint(0, c, (n,), generator=gen)
     t[::4] = -100 if ignore_index is None else ignore_index
     upstream = (torch.rand(n, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
     return x, W, b, w, t, upstream
 
 
-def _plain(x, W, t, *, linear_bias=None, weight=None, reduction="mean", ignore_index=None, options=None):
+def _plain(
+    x, W, t, *, linear_bias=None, weight=None, reduction="mean", ignore_index=None, options=None
+):
     """The plain expression, as torch users write it (``options`` ignored)."""
     ii = -100 if ignore_index is None else ignore_index
-    return F.cross_entropy(F.linear(x, W, linear_bias), t, weight=weight, reduction=reduction, ignore_index=ii)
+    return F.cross_entropy(
+        F.linear(x, W, linear_bias), t, weight=weight, reduction=reduction, ignore_index=ii
+    )
 
 
 def _run(fn, x, W, b, w, t, reduction, ignore_index, upstream, **kwargs):
     """``[loss, grad_x, grad_W(, grad_b)]`` of ``fn``; backward with ``upstream`` for "none"."""
     leaves = [a.detach().clone().requires_grad_(True) for a in (x, W, b) if a is not None]
     bias = leaves[2] if b is not None else None
-    loss = fn(leaves[0], leaves[1], t, linear_bias=bias, weight=w, reduction=reduction,
-              ignore_index=ignore_index, **kwargs)
+    loss = fn(
+        leaves[0],
+        leaves[1],
+        t,
+        linear_bias=bias,
+        weight=w,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        **kwargs,
+    )
     loss.backward(upstream.to(loss.dtype) if reduction == "none" else None)
     return [loss.detach()] + [leaf.grad for leaf in leaves]
 
@@ -95,7 +111,7 @@ def _exact(x, W, b, w, t, reduction, ignore_index, upstream):
     dS[rows, safe] -= 1
     dS *= (r * omega)[:, None]
     grads = [dS @ Wn, dS.T @ X] + ([dS.sum(axis=0)] if b is not None else [])
-    return [np.asarray(loss, dtype=ld)] + grads
+    return [np.asarray(loss, dtype=ld), *grads]
 
 
 def _rel_err_ld(got, exact):
@@ -136,7 +152,9 @@ def _check(dtype, policies, shape, chunk, reduction, ignore_index, class_weight,
             assert err <= bound[i], f"{policy}: {name} error {err / eps(dtype):.2f} eps"
 
 
-@pytest.mark.parametrize(("class_weight", "bias"), [(False, False), (True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("class_weight", "bias"), [(False, False), (True, True), (True, False), (False, True)]
+)
 @pytest.mark.parametrize("ignore_index", IGNORE_INDICES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -152,22 +170,36 @@ _LARGE_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "policy", "reduction", "ignore_index", "class_weight", "bias"), _LARGE_CASES)
+@pytest.mark.parametrize(
+    ("dtype", "policy", "reduction", "ignore_index", "class_weight", "bias"), _LARGE_CASES
+)
 def test_accuracy_grid_large(dtype, policy, reduction, ignore_index, class_weight, bias):
     # N=252 in chunks of 64 (last one 60 rows); F=123 and C=507 not multiples of anything.
-    _check(dtype, [policy], (252, 123, 507), 64, reduction, ignore_index, class_weight, bias, seed=1)
+    _check(
+        dtype, [policy], (252, 123, 507), 64, reduction, ignore_index, class_weight, bias, seed=1
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_chunk_size_invariance(reduction):
     x, W, b, w, t, up = _inputs(13, 5, 7, torch.float64, True, 1000, True, seed=2)
     args = (x, W, b, w, t, reduction, 1000, up)
-    whole = _run(linear_ce.linear_cross_entropy, *args, options=LinearCrossEntropyOptions(chunking_method=None))
+    whole = _run(
+        linear_ce.linear_cross_entropy,
+        *args,
+        options=LinearCrossEntropyOptions(chunking_method=None),
+    )
     ref = _run(_plain, *args)
-    for name, g, r in zip(["loss", "grad_input", "grad_weight", "grad_bias"], whole, ref, strict=True):
+    for name, g, r in zip(
+        ["loss", "grad_input", "grad_weight", "grad_bias"], whole, ref, strict=True
+    ):
         assert rel_err(g, r) <= 3 * eps(torch.float64), name
     for chunk in (1, 2, 3, 4, 7, 13):
-        got = _run(linear_ce.linear_cross_entropy, *args, options=LinearCrossEntropyOptions(batch_chunk_size=chunk))
+        got = _run(
+            linear_ce.linear_cross_entropy,
+            *args,
+            options=LinearCrossEntropyOptions(batch_chunk_size=chunk),
+        )
         for g, h in zip(got, whole, strict=True):
             assert rel_err(g, h) <= 3 * eps(torch.float64), f"chunk {chunk}"
 
@@ -176,14 +208,19 @@ def test_chunk_size_invariance(reduction):
 def test_batch_invariance(dtype):
     x, W, b, w, t, _ = _inputs(13, 5, 7, dtype, True, None, True, seed=3)
     options = LinearCrossEntropyOptions(batch_chunk_size=4)
-    total = linear_ce.linear_cross_entropy(x, W, t, linear_bias=b, weight=w, reduction="sum", options=options)
+    total = linear_ce.linear_cross_entropy(
+        x, W, t, linear_bias=b, weight=w, reduction="sum", options=options
+    )
     rows = [
-        linear_ce.linear_cross_entropy(x[i : i + 1], W, t[i : i + 1], linear_bias=b, weight=w,
-                                       reduction="sum", options=options)
+        linear_ce.linear_cross_entropy(
+            x[i : i + 1], W, t[i : i + 1], linear_bias=b, weight=w, reduction="sum", options=options
+        )
         for i in range(13)
     ]
     assert rel_err(total, torch.stack(rows).sum()) <= 3 * eps(dtype)
-    ref = _plain(x.double(), W.double(), t, linear_bias=b.double(), weight=w.double(), reduction="sum")
+    ref = _plain(
+        x.double(), W.double(), t, linear_bias=b.double(), weight=w.double(), reduction="sum"
+    )
     assert rel_err(total, ref) <= 3 * eps(dtype)
 
 
@@ -205,8 +242,16 @@ def test_gradcheck(reduction):
     options = LinearCrossEntropyOptions(batch_chunk_size=4, allow_retain_graph=True)
 
     def fn(xs, Ws, bs):
-        return linear_ce.linear_cross_entropy(xs, Ws, t, linear_bias=bs, weight=w, reduction=reduction,
-                                              ignore_index=1000, options=options)
+        return linear_ce.linear_cross_entropy(
+            xs,
+            Ws,
+            t,
+            linear_bias=bs,
+            weight=w,
+            reduction=reduction,
+            ignore_index=1000,
+            options=options,
+        )
 
     leaves = [a.clone().requires_grad_() for a in (x, W, b)]
     assert torch.autograd.gradcheck(fn, leaves)
@@ -216,11 +261,18 @@ def _builtin_options(**kwargs):
     return torch.nn.LinearCrossEntropyOptions(**kwargs)
 
 
-@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch has no builtin linear_cross_entropy")
+@pytest.mark.skipif(
+    not hasattr(F, "linear_cross_entropy"), reason="torch has no builtin linear_cross_entropy"
+)
 @pytest.mark.parametrize(
     ("dtype", "policy"),
-    [(torch.float64, "auto"), (torch.float32, "accurate"), (torch.bfloat16, "accurate"),
-     (torch.bfloat16, "compact"), (torch.float16, "balanced")],
+    [
+        (torch.float64, "auto"),
+        (torch.float32, "accurate"),
+        (torch.bfloat16, "accurate"),
+        (torch.bfloat16, "compact"),
+        (torch.float16, "balanced"),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -228,13 +280,21 @@ def test_same_as_torch_builtin(dtype, policy, reduction):
     # V > F so the builtin really chunks instead of falling back to its reference path.
     x, W, b, w, t, up = _inputs(37, 8, 50, dtype, True, 1000, True, seed=6)
     args = (x, W, b, w, t, reduction, 1000, up)
-    ours = _run(linear_ce.linear_cross_entropy, *args,
-                options=LinearCrossEntropyOptions(batch_chunk_size=16, acc_policy=policy))
-    theirs = _run(F.linear_cross_entropy, *args,
-                  options=_builtin_options(batch_chunk_size=16, acc_policy=policy))
+    ours = _run(
+        linear_ce.linear_cross_entropy,
+        *args,
+        options=LinearCrossEntropyOptions(batch_chunk_size=16, acc_policy=policy),
+    )
+    theirs = _run(
+        F.linear_cross_entropy,
+        *args,
+        options=_builtin_options(batch_chunk_size=16, acc_policy=policy),
+    )
     # Both are within rounding of the exact value; their difference within twice that.
     tol = 6 * eps(dtype) if dtype in (torch.float16, torch.bfloat16) else 3 * eps(dtype)
-    for name, a, c in zip(["loss", "grad_input", "grad_weight", "grad_bias"], ours, theirs, strict=True):
+    for name, a, c in zip(
+        ["loss", "grad_input", "grad_weight", "grad_bias"], ours, theirs, strict=True
+    ):
         assert a.shape == c.shape and a.dtype == c.dtype
         assert rel_err(a, c) <= tol, name
 
@@ -301,19 +361,32 @@ _MEMORY_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_memory_without_logits():
-    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     logits_bytes = 4096 * 50000 * 4
     assert result["finite"] and np.isfinite(result["loss"])
-    assert result["growth"] < 0.25 * logits_bytes, f"peak grew by {result['growth'] / 2**20:.0f} MiB"
+    assert result["growth"] < 0.25 * logits_bytes, (
+        f"peak grew by {result['growth'] / 2**20:.0f} MiB"
+    )
 
 
 def _small_problem(seed=9, **options):
     x, W, b, w, t, _ = _inputs(13, 5, 7, torch.float64, True, None, True, seed)
     leaves = [a.clone().requires_grad_() for a in (x, W, b)]
-    loss = linear_ce.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], weight=w,
-                                          options=LinearCrossEntropyOptions(**options))
+    loss = linear_ce.linear_cross_entropy(
+        leaves[0],
+        leaves[1],
+        t,
+        linear_bias=leaves[2],
+        weight=w,
+        options=LinearCrossEntropyOptions(**options),
+    )
     ref_leaves = [a.clone().requires_grad_() for a in (x, W, b)]
     ref = _plain(ref_leaves[0], ref_leaves[1], t, linear_bias=ref_leaves[2], weight=w)
     ref_grads = torch.autograd.grad(ref, ref_leaves)
@@ -350,8 +423,9 @@ def test_reduction_none_supports_retain_graph():
 
 def _training_step(x, A, W, b, t, reduction, options):
     hidden = torch.tanh(x @ A)
-    loss = linear_ce.linear_cross_entropy(hidden, W, t, linear_bias=b, reduction=reduction,
-                                          ignore_index=3, options=options)
+    loss = linear_ce.linear_cross_entropy(
+        hidden, W, t, linear_bias=b, reduction=reduction, ignore_index=3, options=options
+    )
     return loss if reduction != "none" else loss.sum()
 
 
@@ -392,11 +466,15 @@ def test_vmap_over_leading_dimension(reduction):
     options = LinearCrossEntropyOptions(batch_chunk_size=4)
 
     def per_sample(x, t):
-        return linear_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction=reduction, options=options)
+        return linear_ce.linear_cross_entropy(
+            x, W, t, linear_bias=b, reduction=reduction, options=options
+        )
 
     got = torch.func.vmap(per_sample)(X, T)
     (got_grad,) = torch.autograd.grad(got.sum(), [W])
-    loop = torch.stack([F.cross_entropy(F.linear(X[i], W, b), T[i], reduction=reduction) for i in range(3)])
+    loop = torch.stack(
+        [F.cross_entropy(F.linear(X[i], W, b), T[i], reduction=reduction) for i in range(3)]
+    )
     (ref_grad,) = torch.autograd.grad(loop.sum(), [W])
     assert got.shape == loop.shape
     assert rel_err(got, loop) <= 3 * eps(torch.float64)
@@ -423,19 +501,34 @@ def test_loss_only_without_grad(chunk_calls, context, reduction):
     x, W, b, w, t, _ = _inputs(13, 5, 7, torch.float64, True, None, True, seed=13)
     leaves = [a.clone().requires_grad_() for a in (x, W, b)]
     with context():
-        loss = linear_ce.linear_cross_entropy(*leaves[:2], t, linear_bias=leaves[2], weight=w, reduction=reduction)
+        loss = linear_ce.linear_cross_entropy(
+            *leaves[:2], t, linear_bias=leaves[2], weight=w, reduction=reduction
+        )
     assert not loss.requires_grad
     assert chunk_calls == [(False, False, False)]
-    assert rel_err(loss, _plain(x, W, t, linear_bias=b, weight=w, reduction=reduction)) <= 3 * eps(torch.float64)
+    assert rel_err(loss, _plain(x, W, t, linear_bias=b, weight=w, reduction=reduction)) <= 3 * eps(
+        torch.float64
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize(("needs", "flags"), [("x", (True, False, False)), ("W", (False, True, False)),
-                                              ("b", (False, False, True)), ("xWb", (True, True, True))])
+@pytest.mark.parametrize(
+    ("needs", "flags"),
+    [
+        ("x", (True, False, False)),
+        ("W", (False, True, False)),
+        ("b", (False, False, True)),
+        ("xWb", (True, True, True)),
+    ],
+)
 def test_only_needed_gradients_are_computed(chunk_calls, reduction, needs, flags):
     x, W, b, _, t, up = _inputs(13, 5, 7, torch.float64, False, None, True, seed=14)
-    leaves = {k: v.clone().requires_grad_(k in needs) for k, v in zip("xWb", (x, W, b), strict=True)}
-    loss = linear_ce.linear_cross_entropy(leaves["x"], leaves["W"], t, linear_bias=leaves["b"], reduction=reduction)
+    leaves = {
+        k: v.clone().requires_grad_(k in needs) for k, v in zip("xWb", (x, W, b), strict=True)
+    }
+    loss = linear_ce.linear_cross_entropy(
+        leaves["x"], leaves["W"], t, linear_bias=leaves["b"], reduction=reduction
+    )
     loss.backward(up if reduction == "none" else None)
     # "none" runs a loss-only forward and the gradients in backward; mean/sum all in forward.
     assert chunk_calls == ([(False, False, False), flags] if reduction == "none" else [flags])

@@ -13,7 +13,11 @@ from linear_ce.plan import choose_chunk_rows, make_plan
 
 def test_defaults():
     opts = LinearCrossEntropyOptions()
-    assert (opts.allow_retain_graph, opts.batch_chunk_size, opts.chunking_method) == (False, None, "auto")
+    assert (opts.allow_retain_graph, opts.batch_chunk_size, opts.chunking_method) == (
+        False,
+        None,
+        "auto",
+    )
     assert (opts.acc_policy, opts.acc_dtype) == ("auto", None)
 
 
@@ -40,14 +44,18 @@ def test_equal_and_hashable():
 
 
 def test_repr_is_readable():
-    opts = LinearCrossEntropyOptions(batch_chunk_size=256, acc_policy="compact", acc_dtype=torch.float32)
+    opts = LinearCrossEntropyOptions(
+        batch_chunk_size=256, acc_policy="compact", acc_dtype=torch.float32
+    )
     assert repr(opts) == (
         "LinearCrossEntropyOptions(allow_retain_graph=False, batch_chunk_size=256, "
         "chunking_method='auto', acc_policy='compact', acc_dtype=torch.float32)"
     )
 
 
-@pytest.mark.parametrize("method", [None, "auto", "budget", "budget:3", "aspect_ratio", "aspect_ratio:2"])
+@pytest.mark.parametrize(
+    "method", [None, "auto", "budget", "budget:3", "aspect_ratio", "aspect_ratio:2"]
+)
 def test_valid_chunking_methods(method):
     assert LinearCrossEntropyOptions(chunking_method=method).chunking_method == method
 
@@ -104,14 +112,25 @@ def test_plan_resolves_policy_and_backend():
         return make_plan(64, 16, 100, dtype, device, LinearCrossEntropyOptions(**options))
 
     p = plan(torch.float32, cpu)
-    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, SameDtype)
+    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == (
+        "accurate",
+        torch.float32,
+        torch.float32,
+        SameDtype,
+    )
     p = plan(torch.bfloat16, cpu, acc_policy="accurate")
-    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == ("accurate", torch.float32, torch.float32, Upcast)
+    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == (
+        "accurate",
+        torch.float32,
+        torch.float32,
+        Upcast,
+    )
     # "auto" for half inputs on a CPU: native half GEMMs and a half weight-gradient where the CPU has them.
     for dtype in (torch.bfloat16, torch.float16):
         p = plan(dtype, cpu)
         expected = (
-            ("compact", dtype, NativeHalf) if native_half_gemm(dtype, cpu)
+            ("compact", dtype, NativeHalf)
+            if native_half_gemm(dtype, cpu)
             else ("accurate", torch.float32, Upcast)
         )
         assert (p.policy, p.weight_grad_dtype, type(p.gemm)) == expected
@@ -120,7 +139,12 @@ def test_plan_resolves_policy_and_backend():
     p = plan(torch.bfloat16, cpu, acc_dtype=torch.bfloat16)
     assert (p.acc_dtype, type(p.gemm)) == (torch.bfloat16, SameDtype)
     # CUDA: native half GEMMs with fp32 results, except for "accurate".
-    for policy, backend in [("accurate", Upcast), ("auto", Upcast), ("balanced", CudaOutDtype), ("compact", CudaOutDtype)]:
+    for policy, backend in [
+        ("accurate", Upcast),
+        ("auto", Upcast),
+        ("balanced", CudaOutDtype),
+        ("compact", CudaOutDtype),
+    ]:
         assert type(plan(torch.bfloat16, cuda, acc_policy=policy).gemm) is backend
     assert type(plan(torch.float32, cuda, acc_policy="compact").gemm) is SameDtype
     assert plan(torch.float32, cpu, batch_chunk_size=7).rows_per_chunk == 7

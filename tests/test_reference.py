@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import eps, rel_err
 
+from conftest import eps, rel_err
 from linear_ce import reference
 
 N, FEAT, C = 11, 5, 7
@@ -52,7 +52,11 @@ def _targets(gen, shape, ignore_index):
 
 @pytest.mark.parametrize(
     ("reduction", "class_weight", "ignore_index", "smoothing", "bias"),
-    list(itertools.product(["mean", "sum", "none"], [False, True], [None, 2, 1000, -5], [0.0, 0.3], [False, True])),
+    list(
+        itertools.product(
+            ["mean", "sum", "none"], [False, True], [None, 2, 1000, -5], [0.0, 0.3], [False, True]
+        )
+    ),
 )
 def test_class_index_targets(reduction, class_weight, ignore_index, smoothing, bias):
     gen = torch.Generator().manual_seed(0)
@@ -65,8 +69,14 @@ def test_class_index_targets(reduction, class_weight, ignore_index, smoothing, b
 
     def got(xs, Ws, bs):
         return reference.linear_cross_entropy(
-            xs, Ws, t, linear_bias=bs, weight=w, reduction=reduction,
-            ignore_index=ignore_index, label_smoothing=smoothing,
+            xs,
+            Ws,
+            t,
+            linear_bias=bs,
+            weight=w,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=smoothing,
         )
 
     def ref(xs, Ws, bs):
@@ -95,7 +105,9 @@ def test_probability_targets(reduction, class_weight, smoothing, bias):
         )
 
     def ref(xs, Ws, bs):
-        return F.cross_entropy(F.linear(xs, Ws, bs), q, weight=w, reduction=reduction, label_smoothing=smoothing)
+        return F.cross_entropy(
+            F.linear(xs, Ws, bs), q, weight=w, reduction=reduction, label_smoothing=smoothing
+        )
 
     _compare(got, ref, x, W, b, reduction)
 
@@ -111,7 +123,9 @@ def test_k_dimensional(reduction, out_features, probabilities, bias):
     b = torch.randn(C, *out_features, generator=gen, dtype=torch.float64) if bias else None
     w = torch.rand(C, generator=gen, dtype=torch.float64) + 0.1
     if probabilities:
-        t = torch.softmax(torch.randn(N, C, *out_features, generator=gen, dtype=torch.float64), dim=1)
+        t = torch.softmax(
+            torch.randn(N, C, *out_features, generator=gen, dtype=torch.float64), dim=1
+        )
         ii = {}
     else:
         t = torch.randint(0, C, (N, *out_features), generator=gen)
@@ -125,9 +139,9 @@ def test_k_dimensional(reduction, out_features, probabilities, bias):
 
     def ref(xs, Ws, bs):
         # The K-dim layout: logits (N, C, d1..dK) from the flattened (C·P, F) weight.
-        logits = F.linear(
-            xs, Ws.reshape(-1, FEAT), None if bs is None else bs.reshape(-1)
-        ).view(N, C, *out_features)
+        logits = F.linear(xs, Ws.reshape(-1, FEAT), None if bs is None else bs.reshape(-1)).view(
+            N, C, *out_features
+        )
         return F.cross_entropy(logits, t, weight=w, reduction=reduction, label_smoothing=0.1, **ii)
 
     _compare(got, ref, x, W, b, reduction)
@@ -164,7 +178,9 @@ def test_batch_dimensions_flatten_like_torch():
         return reference.linear_cross_entropy(xs, Ws, t, reduction="none")
 
     def ref(xs, Ws, bs):
-        return F.cross_entropy(F.linear(xs, Ws).reshape(6, C), t.reshape(6), reduction="none").view(2, 3)
+        return F.cross_entropy(F.linear(xs, Ws).reshape(6, C), t.reshape(6), reduction="none").view(
+            2, 3
+        )
 
     _compare(got, ref, x, W, None, "none")
 

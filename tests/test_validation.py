@@ -21,7 +21,9 @@ def _args(**overrides):
 
 
 def _call(fn, **overrides):
-    positional = {k: overrides.pop(k) for k in ("input", "linear_weight", "target") if k in overrides}
+    positional = {
+        k: overrides.pop(k) for k in ("input", "linear_weight", "target") if k in overrides
+    }
     args = _args(**positional)
     return fn(args["input"], args["linear_weight"], args["target"], **overrides)
 
@@ -32,30 +34,70 @@ def _call(fn, **overrides):
     [
         # ranks
         ({"input": torch.tensor(1.0)}, r"input must have shape \(\*, in_features\).*0-d"),
-        ({"linear_weight": torch.randn(FEAT)}, r"linear_weight must have shape \(num_classes, in_features\)"),
         (
-            {"linear_weight": torch.randn(C, 2, FEAT), "input": torch.randn(FEAT), "target": torch.tensor([1, 2])},
+            {"linear_weight": torch.randn(FEAT)},
+            r"linear_weight must have shape \(num_classes, in_features\)",
+        ),
+        (
+            {
+                "linear_weight": torch.randn(C, 2, FEAT),
+                "input": torch.randn(FEAT),
+                "target": torch.tensor([1, 2]),
+            },
             r"K-dimensional loss .* needs batched input",
         ),
         # in_features
-        ({"linear_weight": torch.randn(C, FEAT + 1)}, r"in_features mismatch: input has 3 features .* linear_weight has 4"),
+        (
+            {"linear_weight": torch.randn(C, FEAT + 1)},
+            r"in_features mismatch: input has 3 features .* linear_weight has 4",
+        ),
         # bias
         ({"linear_bias": torch.randn(C + 1)}, r"linear_bias must have shape \(5,\).*got \(6,\)"),
         ({"linear_bias": torch.randn(C, 1)}, r"linear_bias must have shape \(5,\).*got \(5, 1\)"),
-        ({"linear_bias": torch.randn(C, dtype=torch.float64)}, r"linear_bias dtype torch.float64 differs"),
+        (
+            {"linear_bias": torch.randn(C, dtype=torch.float64)},
+            r"linear_bias dtype torch.float64 differs",
+        ),
         # target batch / shape / dtype
-        ({"target": torch.randint(0, C, (N + 1,))}, r"class-index target must have shape \(4,\).*got \(5,\)"),
+        (
+            {"target": torch.randint(0, C, (N + 1,))},
+            r"class-index target must have shape \(4,\).*got \(5,\)",
+        ),
         ({"target": torch.randint(0, C, (N, 2))}, r"class-index target must have shape \(4,\)"),
-        ({"target": torch.rand(N)}, r"floating target is read as class probabilities .* shape \(4, 5\)"),
-        ({"target": torch.ones(N, dtype=torch.bool)}, r"class-index target must be an integer tensor .* got torch.bool"),
-        ({"target": torch.ones(N, dtype=torch.complex64)}, r"class-index target must be an integer tensor"),
-        ({"target": torch.rand(N, C, dtype=torch.float64)}, r"probability target dtype torch.float64 differs"),
-        ({"target": torch.rand(N, C), "ignore_index": 0}, r"ignore_index cannot be used with probability targets"),
-        ({"target": torch.rand(N, C, requires_grad=True)}, r"probability target that requires grad"),
+        (
+            {"target": torch.rand(N)},
+            r"floating target is read as class probabilities .* shape \(4, 5\)",
+        ),
+        (
+            {"target": torch.ones(N, dtype=torch.bool)},
+            r"class-index target must be an integer tensor .* got torch.bool",
+        ),
+        (
+            {"target": torch.ones(N, dtype=torch.complex64)},
+            r"class-index target must be an integer tensor",
+        ),
+        (
+            {"target": torch.rand(N, C, dtype=torch.float64)},
+            r"probability target dtype torch.float64 differs",
+        ),
+        (
+            {"target": torch.rand(N, C), "ignore_index": 0},
+            r"ignore_index cannot be used with probability targets",
+        ),
+        (
+            {"target": torch.rand(N, C, requires_grad=True)},
+            r"probability target that requires grad",
+        ),
         # class weights
-        ({"weight": torch.rand(C + 1)}, r"weight \(class weights\) must have shape \(5,\), got \(6,\)"),
+        (
+            {"weight": torch.rand(C + 1)},
+            r"weight \(class weights\) must have shape \(5,\), got \(6,\)",
+        ),
         ({"weight": torch.rand(C, 1)}, r"weight \(class weights\) must have shape \(5,\)"),
-        ({"weight": torch.rand(C, dtype=torch.float64)}, r"weight \(class weights\) must have the input's dtype"),
+        (
+            {"weight": torch.rand(C, dtype=torch.float64)},
+            r"weight \(class weights\) must have the input's dtype",
+        ),
         ({"weight": [1.0] * C}, r"weight must be a Tensor or None, got list"),
         # scalars
         ({"label_smoothing": -0.1}, r"label_smoothing must be in \[0, 1\], got -0.1"),
@@ -64,10 +106,25 @@ def _call(fn, **overrides):
         ({"reduction": "avg"}, r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
         ({"ignore_index": 1.5}, r"ignore_index must be an int or None, got 1.5"),
         # devices and dtypes
-        ({"linear_weight": torch.randn(C, FEAT, device="meta")}, r"all tensors must be on one device.*linear_weight on meta"),
-        ({"target": torch.randint(0, C, (N,), device="meta")}, r"all tensors must be on one device.*target on meta"),
-        ({"linear_weight": torch.randn(C, FEAT, dtype=torch.float64)}, r"linear_weight dtype torch.float64 differs from input dtype torch.float32"),
-        ({"input": torch.ones(N, FEAT, dtype=torch.int64), "linear_weight": torch.ones(C, FEAT, dtype=torch.int64)}, r"input must be a floating tensor .* got torch.int64"),
+        (
+            {"linear_weight": torch.randn(C, FEAT, device="meta")},
+            r"all tensors must be on one device.*linear_weight on meta",
+        ),
+        (
+            {"target": torch.randint(0, C, (N,), device="meta")},
+            r"all tensors must be on one device.*target on meta",
+        ),
+        (
+            {"linear_weight": torch.randn(C, FEAT, dtype=torch.float64)},
+            r"linear_weight dtype torch.float64 differs from input dtype torch.float32",
+        ),
+        (
+            {
+                "input": torch.ones(N, FEAT, dtype=torch.int64),
+                "linear_weight": torch.ones(C, FEAT, dtype=torch.int64),
+            },
+            r"input must be a floating tensor .* got torch.int64",
+        ),
         ({"input": [[1.0] * FEAT] * N}, r"input must be a Tensor, got list"),
     ],
 )
@@ -88,32 +145,74 @@ def test_target_class_out_of_range_is_named(bad):
 
 
 def test_options_must_be_options():
-    with pytest.raises(TypeError, match="options must be a linear_ce.LinearCrossEntropyOptions"):
+    with pytest.raises(TypeError, match=r"options must be a linear_ce\.LinearCrossEntropyOptions"):
         _call(linear_ce.linear_cross_entropy, options={"batch_chunk_size": 2})
 
 
 def test_acc_dtype_narrower_than_input():
     options = LinearCrossEntropyOptions(acc_dtype=torch.float32)
     x, W = torch.randn(N, FEAT, dtype=torch.float64), torch.randn(C, FEAT, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"acc_dtype=torch.float32 is narrower than the input dtype torch.float64"):
+    with pytest.raises(
+        ValueError, match=r"acc_dtype=torch.float32 is narrower than the input dtype torch.float64"
+    ):
         linear_ce.linear_cross_entropy(x, W, torch.randint(0, C, (N,)), options=options)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"batch_chunk_size": 0}, ValueError, r"batch_chunk_size must be a positive int or None, got 0"),
-        ({"batch_chunk_size": -3}, ValueError, r"batch_chunk_size must be a positive int or None, got -3"),
-        ({"batch_chunk_size": 2.0}, ValueError, r"batch_chunk_size must be a positive int or None, got 2.0"),
-        ({"batch_chunk_size": True}, ValueError, r"batch_chunk_size must be a positive int or None, got True"),
-        ({"batch_chunk_size": 4, "chunking_method": "aspect_ratio"}, ValueError, r"both choose the chunk size"),
-        ({"chunking_method": "fixed"}, ValueError, r"chunking_method must be None, 'auto'.*got 'fixed'"),
-        ({"chunking_method": "aspect_ratio:0"}, ValueError, r"chunking_method must be .*got 'aspect_ratio:0'"),
-        ({"chunking_method": "aspect_ratio:x"}, ValueError, r"chunking_method must be .*got 'aspect_ratio:x'"),
+        (
+            {"batch_chunk_size": 0},
+            ValueError,
+            r"batch_chunk_size must be a positive int or None, got 0",
+        ),
+        (
+            {"batch_chunk_size": -3},
+            ValueError,
+            r"batch_chunk_size must be a positive int or None, got -3",
+        ),
+        (
+            {"batch_chunk_size": 2.0},
+            ValueError,
+            r"batch_chunk_size must be a positive int or None, got 2.0",
+        ),
+        (
+            {"batch_chunk_size": True},
+            ValueError,
+            r"batch_chunk_size must be a positive int or None, got True",
+        ),
+        (
+            {"batch_chunk_size": 4, "chunking_method": "aspect_ratio"},
+            ValueError,
+            r"both choose the chunk size",
+        ),
+        (
+            {"chunking_method": "fixed"},
+            ValueError,
+            r"chunking_method must be None, 'auto'.*got 'fixed'",
+        ),
+        (
+            {"chunking_method": "aspect_ratio:0"},
+            ValueError,
+            r"chunking_method must be .*got 'aspect_ratio:0'",
+        ),
+        (
+            {"chunking_method": "aspect_ratio:x"},
+            ValueError,
+            r"chunking_method must be .*got 'aspect_ratio:x'",
+        ),
         ({"chunking_method": "auto:2"}, ValueError, r"chunking_method must be .*got 'auto:2'"),
         ({"chunking_method": 3}, ValueError, r"chunking_method must be .*got 3"),
-        ({"acc_policy": "fast"}, ValueError, r"acc_policy must be one of \('auto', 'accurate', 'balanced', 'compact'\), got 'fast'"),
-        ({"acc_dtype": torch.int32}, ValueError, r"acc_dtype must be None, torch.float16.*got torch.int32"),
+        (
+            {"acc_policy": "fast"},
+            ValueError,
+            r"acc_policy must be one of \('auto', 'accurate', 'balanced', 'compact'\), got 'fast'",
+        ),
+        (
+            {"acc_dtype": torch.int32},
+            ValueError,
+            r"acc_dtype must be None, torch.float16.*got torch.int32",
+        ),
         ({"acc_dtype": "float32"}, ValueError, r"acc_dtype must be None.*got 'float32'"),
         ({"allow_retain_graph": 1}, TypeError, r"allow_retain_graph must be a bool, got int"),
     ],
@@ -128,7 +227,10 @@ def test_bad_options(kwargs, error, match):
     [
         ({"in_features": 0, "num_classes": C}, r"in_features must be a positive int, got 0"),
         ({"in_features": FEAT, "num_classes": 2.5}, r"num_classes must be a positive int, got 2.5"),
-        ({"in_features": FEAT, "num_classes": C, "out_features": (0,)}, r"out_features must be a tuple of positive ints"),
+        (
+            {"in_features": FEAT, "num_classes": C, "out_features": (0,)},
+            r"out_features must be a tuple of positive ints",
+        ),
     ],
 )
 def test_bad_module_arguments(kwargs, match):

@@ -39,7 +39,8 @@ that one call), so hooks registered on it still fire around the loss:
 FSDP2's unshard/reshard and DeepSpeed ZeRO-3's parameter gathering see an
 ordinary ``lm_head`` call, and ``lm_head.weight`` is read at that moment,
 never cached. Wrappers that replace ``lm_head.forward`` itself are bypassed
-for that call.
+for that call. Under ``torch.compile`` that call runs eagerly (one graph
+break); the rest of the model is compiled as usual.
 
 Example::
 
@@ -97,8 +98,6 @@ SUPPORTED_MODELS: dict[str, bool] = {
 }
 
 _MARK = "__linear_ce_original__"
-# Keywords the model's forward hands to its loss function, not to the base model.
-_LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels", "ignore_index")
 # Keywords that only shape the logits output, which the training path does not build.
 _LOGITS_KEYWORDS = ("logits_to_keep", "num_logits_to_keep")
 
@@ -152,11 +151,18 @@ def patch(model: ModelT) -> ModelT:
 
     Raises:
         TypeError: for an unsupported model (the message lists the supported
-            classes), an ``lm_head`` that is not an ``nn.Linear``, or a model
-            whose loss function is not transformers' ``ForCausalLMLoss``.
+            classes), an ``lm_head`` that is not an ``nn.Linear``, a model
+            whose loss function is not transformers' ``ForCausalLMLoss``, or
+            one whose ``forward`` was already replaced on the instance.
     """
     family = _family(type(model))
     _check_instance(model)
+    own_forward = vars(model).get("forward")
+    if own_forward is not None and not hasattr(getattr(own_forward, "__func__", None), _MARK):
+        raise TypeError(
+            f"this {type(model).__name__} already has its own forward on the instance (e.g. "
+            "accelerate's device hooks); call patch(model) before wrapping or dispatching it"
+        )
     if not is_patched(model):
         model.forward = _fused_forward(_original(family.forward)).__get__(model)
     return model
@@ -247,6 +253,7 @@ def _fused_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
     labels = arguments.pop("labels")
+    # The model hands these to its loss function; the base model has no use for them.
     num_items_in_batch = arguments.pop("num_items_in_batch", None)
     shift_labels = arguments.pop("shift_labels", None)
     ignore_index = arguments.pop("ignore_index", -100)
@@ -283,6 +290,9 @@ def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
     return output if return_dict else output.to_tuple()
 
 
+# Dynamo cannot trace swapping a module's forward: under torch.compile this call runs
+# eagerly (one graph break) while the rest of the model stays compiled.
+@torch.compiler.disable
 def _loss_through_head(head: nn.Linear, hidden: torch.Tensor, target: torch.Tensor,
                        **loss_args: Any) -> torch.Tensor:
     """The loss, computed as the ``forward`` of one call of ``head`` so its hooks fire around it."""
