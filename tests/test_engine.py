@@ -7,6 +7,7 @@ numpy's extended precision (the float64 plain expression is itself a few eps
 off at the larger shape, so it cannot judge a float64 result to 3 eps).
 """
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -587,3 +588,53 @@ def test_inputs_not_mutated_and_strided_layouts():
             assert rel_err(g, r) <= 3 * eps(torch.float64)
     for a, a0 in zip((x, W, b, w, t), before, strict=True):
         assert torch.equal(a, a0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize(
+    ("dtype", "bias", "options"),
+    [
+        (torch.float64, True, LinearCrossEntropyOptions(batch_chunk_size=4)),
+        (torch.float32, False, LinearCrossEntropyOptions(chunking_method="aspect_ratio:2")),
+        (torch.bfloat16, True, LinearCrossEntropyOptions(acc_policy="compact")),
+        (torch.float16, False, LinearCrossEntropyOptions(acc_dtype=torch.float64)),
+    ],
+    ids=["f64", "f32", "bf16", "f16"],
+)
+def test_custom_op_registration(monkeypatch, reduction, dtype, bias, options):
+    """torch.library.opcheck: schema, fake (meta) impl, autograd registration and AOT
+    dispatch with dynamic shapes, on the exact arguments the public function passes.
+
+    The scalar op runs with ``allow_retain_graph=True``, the value the public function
+    forces under ``torch.compile``: the default hands its stored gradients over in place,
+    which an AOT-traced backward cannot express.
+    """
+    if reduction != "none":
+        options = dataclasses.replace(options, allow_retain_graph=True)
+    import linear_ce.functional
+
+    op_name = "chunked_rows" if reduction == "none" else "chunked_scalar"
+    op = getattr(linear_ce.functional, op_name)
+    recorded = []
+
+    def recording(*args):
+        recorded.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(linear_ce.functional, op_name, recording)
+    x, W, b, w, t, _ = _inputs(13, 5, 7, dtype, True, 1000, bias, seed=18)
+    leaves = [a.clone().requires_grad_() if a is not None else None for a in (x, W, b)]
+    linear_ce.linear_cross_entropy(
+        leaves[0],
+        leaves[1],
+        t,
+        linear_bias=leaves[2],
+        weight=w,
+        reduction=reduction,
+        ignore_index=1000,
+        label_smoothing=0.1,
+        options=options,
+    )
+    (args,) = recorded
+    result = torch.library.opcheck(getattr(torch.ops.linear_ce, op_name).default, args)
+    assert set(result.values()) == {"SUCCESS"}, result

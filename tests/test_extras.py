@@ -77,12 +77,12 @@ def _make(dtype, *, class_weight, ignore, bias, smoothing, extras, seed, scale=1
     }
 
 
-def _formula(case: dict, reduction: str):
-    """The float64 formula of the module doc: (loss, z-loss term, lse, grads of x, W, b)."""
+def _formula(case: dict, reduction: str, dtype: torch.dtype = torch.float64):
+    """The formula of the module doc in ``dtype``: (loss, z-loss term, lse, grads of x, W, b)."""
     extras = case["extras"]
-    x = case["x"].detach().double().requires_grad_()
-    W = case["W"].detach().double().requires_grad_()
-    b = None if case["b"] is None else case["b"].detach().double().requires_grad_()
+    x = case["x"].detach().to(dtype).requires_grad_()
+    W = case["W"].detach().to(dtype).requires_grad_()
+    b = None if case["b"] is None else case["b"].detach().to(dtype).requires_grad_()
     logits = x @ W.T
     if b is not None:
         logits = logits + b
@@ -98,7 +98,7 @@ def _formula(case: dict, reduction: str):
         tw = None if tw is None else tw[:, :-k]
     else:
         lse_used = lse
-    w = torch.ones(CLASSES, dtype=torch.float64) if case["weight"] is None else case["weight"].double()
+    w = torch.ones(CLASSES, dtype=dtype) if case["weight"] is None else case["weight"].to(dtype)
     valid = labels != IGNORE
     safe = torch.where(valid, labels, 0)
     w_t = w[safe] * valid
@@ -108,11 +108,11 @@ def _formula(case: dict, reduction: str):
     z = extras.get("z_loss", 0.0) * w_t * lse_used.square()
     rows, z_rows = (1 - eps_) * nll + eps_ * smooth + z, z
     if tw is not None:
-        rows, z_rows = rows * tw.double(), z_rows * tw.double()
+        rows, z_rows = rows * tw.to(dtype), z_rows * tw.to(dtype)
     if reduction == "none":
-        pad = torch.zeros(B, k, dtype=torch.float64)
+        pad = torch.zeros(B, k, dtype=dtype)
         loss, z_term = torch.cat([rows, pad], 1), torch.cat([z_rows, pad], 1)
-        loss.backward(case["grad_output"].double())
+        loss.backward(case["grad_output"].to(dtype))
     else:
         denominator = w_t.sum() if reduction == "mean" else 1.0
         loss, z_term = rows.sum() / denominator, z_rows.sum() / denominator
@@ -245,7 +245,16 @@ def test_softcap_with_huge_logits_stays_finite(dtype, reduction):
     case["x"][:, ::2] *= 10_000
     got = _ours(case, reduction)
     assert torch.isfinite(got[0]).all()
-    _assert_close(got, _formula(case, reduction), _tolerance(dtype), f"softcap {dtype}")
+    ref = _formula(case, reduction)
+    tolerance = _tolerance(dtype)
+    if dtype == torch.float32:
+        # A logit of 1e4 is rounded by ~1e-3 in float32, which moves sech²(s/c) by a
+        # relative 2·1e-3/c: no float32 evaluation does better (the guide's rule: at
+        # most twice the error of the plain expression in the same dtype).
+        plain = _formula(case, reduction, torch.float32)
+        plain_errors = [rel_err(g, r) for g, r in zip([plain[0], *plain[3]], [ref[0], *ref[3]], strict=True)]
+        tolerance = max(tolerance, 2 * max(plain_errors))
+    _assert_close(got, ref, tolerance, f"softcap {dtype}")
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

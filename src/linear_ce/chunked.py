@@ -85,9 +85,11 @@ def run_chunks(
                 S.add_(b_p)
             if softcap is not None:
                 D = softcap_buf[:n]
-                S.div_(softcap).tanh_()
-                torch.mul(S, S, out=D).neg_().add_(1.0)
-                S.mul_(softcap)
+                S.div_(softcap)
+                # tanh' = sech², not 1 - tanh²: the latter cancels to nothing where
+                # tanh saturates, losing every digit of the gradient of large logits.
+                torch.cosh(S, out=D).reciprocal_().square_()
+                S.tanh_().mul_(softcap)
 
             row_max = S.amax(dim=1)
             vocab.max_(row_max)
