@@ -6,9 +6,11 @@ policy and dtype, chunk rule, reduction, class weights, the fraction of
 ignored rows (0 to 100 %), bias, label smoothing, probability targets and
 the extras (z-loss, softcap, token weights, shift). The reference is
 ``F.cross_entropy(F.linear(x, W, b), t, ...)`` in float64 on the same
-rounded inputs, plus the extras written out below. Loss and every gradient
-must be within ``3·eps(dtype)`` relative Frobenius error (for fp32, or twice
-the plain fp32 expression's own error where that is larger).
+rounded inputs, plus the extras written out below; float64 results are
+checked against an 80-bit (numpy longdouble) evaluation of the definition.
+Loss and every gradient must be within ``3·eps(dtype)`` relative Frobenius
+error, or twice the plain expression's own error in that dtype where that is
+larger, or ``eps·|terms|/|result|`` where the result cancels (see ``_check``).
 
 Profiles (``tests/conftest.py``): ``ci`` (default, 60 derandomised examples
 per test) and ``long`` (``HYPOTHESIS_PROFILE=long``, 2000 random examples).

@@ -98,7 +98,8 @@ def linear_cross_entropy(
             safe = torch.where(valid, call.target, 0).long()
             row_weight = row_weight * call.class_weight[safe]
     denominator = row_weight.sum()
-    z_rows = call.z_loss * row_weight * lse.square()
+    # Ignored rows contribute nothing, not even a NaN of their logits (as in cross_entropy).
+    z_rows = torch.where(row_weight != 0, call.z_loss * row_weight * lse.square(), 0.0)
     if call.token_weight is not None:
         token_weight = call.token_weight.to(per_row.dtype)
         per_row, z_rows = per_row * token_weight, z_rows * token_weight
