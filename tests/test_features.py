@@ -259,6 +259,29 @@ def test_no_warning_with_default_options(feature):
     _assert_close(got, _plain64(case, "mean"), _tolerance(torch.float32), feature)
 
 
+_UNSUPPORTED = {
+    "probability target that requires grad": (
+        lambda x, W, probs, labels: {"target": probs.requires_grad_()}, "requires grad"),
+    "ignore_index with probability targets": (
+        lambda x, W, probs, labels: {"target": probs, "ignore_index": 0}, "ignore_index"),
+    "shift with a K-dimensional loss": (
+        lambda x, W, probs, labels: {"linear_weight": torch.randn(11, 2, 8), "shift": True,
+                                     "target": torch.zeros(4, 2, dtype=torch.long)}, "shift"),
+}
+
+
+@pytest.mark.parametrize("name", list(_UNSUPPORTED))
+def test_what_cannot_run_chunked_is_an_error_not_a_fallback(name):
+    x, W = torch.randn(4, 8), torch.randn(11, 8)
+    probs, labels = torch.softmax(torch.randn(4, 11), 1), torch.randint(0, 11, (4,))
+    make, word = _UNSUPPORTED[name]
+    kwargs = {"linear_weight": W, "target": labels, **make(x, W, probs, labels)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=word):
+            linear_ce.linear_cross_entropy(x, **kwargs)
+
+
 # --- memory -----------------------------------------------------------------------------------
 
 _N, _F, _V = 4096, 256, 50000

@@ -173,6 +173,9 @@ def _chunked_scalar_fake(
 
 
 def _scalar_setup_context(ctx, inputs, output):
+    # Unused outputs (z_loss, lse, the stored gradients) must not get zero-filled
+    # gradients: for grad_weight that is a (V, F) allocation and fill per backward.
+    ctx.set_materialize_grads(False)
     ctx.allow_retain_graph = inputs[16]
     ctx.needs = inputs[17:20]
     # Detached: the stored gradients are outputs of this node; keeping them
@@ -190,6 +193,8 @@ _RETAIN_GRAPH_MESSAGE = (
 
 def _scalar_backward(ctx, grad_loss, *_unused):
     result = list(_NO_GRAD)
+    if grad_loss is None:
+        return tuple(result)
     stored = ctx.grads
     if any(need and g is None for g, need in zip(stored, ctx.needs, strict=True)):
         raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
@@ -281,6 +286,7 @@ def _chunked_rows_fake(
 
 
 def _rows_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
     tensors = inputs[:6]
     # Detached copies of the inputs' handles: backward recomputes, it does not
     # differentiate through them, and an attached view would keep its base alive.
@@ -294,7 +300,7 @@ def _rows_backward(ctx, grad_loss, *_unused):
     need_input, need_weight = needs[0], needs[1]
     need_bias = linear_bias is not None and needs[3]
     result = [None] * 19
-    if not (need_input or need_weight or need_bias):
+    if grad_loss is None or not (need_input or need_weight or need_bias):
         return tuple(result)
     outputs = chunked_rows(
         input, linear_weight, target, linear_bias, class_weight, token_weight,
