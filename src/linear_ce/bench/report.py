@@ -109,6 +109,14 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
     return out
 
 
+def _color(variant: str):
+    import matplotlib
+
+    # tab20's dark shades first, then its light ones: 20 distinguishable colours.
+    index = list(VARIANTS).index(variant)
+    return matplotlib.colormaps["tab20"]((2 * index) % 20 + (2 * index) // 20 % 2)
+
+
 def write_plot(
     summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str
 ) -> None:
@@ -141,9 +149,11 @@ def write_plot(
             label = variant if len({o for o, _ in series}) == 1 else (
                 f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others, strict=True))})"
             )
-            style = "--" if variant.startswith("floor") else "-"
-            axes[0][col].plot(xs, [line["t"][i] for i in order], style, marker="o", label=label)
-            axes[1][col].plot(xs, [line["m"][i] for i in order], style, marker="o", label=label)
+            # One colour per variant in every panel.
+            style = {"linestyle": "--" if variant.startswith("floor") else "-", "marker": "o",
+                     "color": _color(variant), "label": label}
+            axes[0][col].plot(xs, [line["t"][i] for i in order], **style)
+            axes[1][col].plot(xs, [line["m"][i] for i in order], **style)
         for row, ylabel in enumerate(["time per call (s)", "transient peak / gradients' bytes"]):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
