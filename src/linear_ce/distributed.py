@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 from linear_ce.arguments import Call, check_call
 from linear_ce.chunked import run_chunks
 from linear_ce.ops import _RETAIN_GRAPH_MESSAGE, _check_targets
-from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, make_plan
 from linear_ce.rows import row_terms
@@ -56,7 +56,6 @@ from linear_ce.rows import row_terms
 __all__ = ["VocabShard", "shard_layout", "vocab_parallel_linear_cross_entropy"]
 
 _NAME = "vocab_parallel_linear_cross_entropy"
-_DEFAULT_OPTIONS = LinearCrossEntropyOptions()
 
 
 class VocabShard:
@@ -326,13 +325,7 @@ def vocab_parallel_linear_cross_entropy(
         )
     _require_group(process_group)
     vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
-    if options is None:
-        options = _DEFAULT_OPTIONS
-    elif not isinstance(options, LinearCrossEntropyOptions):
-        raise TypeError(
-            f"{_NAME}: options must be a linear_ce.LinearCrossEntropyOptions or None, "
-            f"got {type(options).__name__}"
-        )
+    options = resolve_options(options, _NAME)
     call = check_call(
         input,
         linear_weight,

@@ -8,12 +8,11 @@ import torch
 
 from linear_ce.arguments import check_call
 from linear_ce.ops import chunked_rows, chunked_scalar
-from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 
 __all__ = ["linear_cross_entropy"]
 
-_DEFAULT_OPTIONS = LinearCrossEntropyOptions()
 
 
 @torch.compiler.assume_constant_result
@@ -125,13 +124,7 @@ def linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
     )
-    if options is None:
-        options = _DEFAULT_OPTIONS
-    elif not isinstance(options, LinearCrossEntropyOptions):
-        raise TypeError(
-            "linear_cross_entropy: options must be a linear_ce.LinearCrossEntropyOptions or None, "
-            f"got {type(options).__name__}"
-        )
+    options = resolve_options(options, "linear_cross_entropy")
     shared = (
         call.input, call.linear_weight, call.target, call.linear_bias,
         call.class_weight, call.token_weight,

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-__all__ = ["ACC_POLICIES", "LinearCrossEntropyOptions", "parse_chunking_method"]
+__all__ = ["ACC_POLICIES", "LinearCrossEntropyOptions", "parse_chunking_method", "resolve_options"]
 
 ACC_POLICIES = ("auto", "accurate", "balanced", "compact")
 _ACC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -113,3 +113,18 @@ class LinearCrossEntropyOptions:
                 "acc_dtype must be None, torch.float16, torch.bfloat16, torch.float32 or "
                 f"torch.float64, got {self.acc_dtype!r}"
             )
+
+
+def resolve_options(options: LinearCrossEntropyOptions | None, caller: str) -> LinearCrossEntropyOptions:
+    """``options``, or the defaults for ``None``; anything else is a ``TypeError`` naming ``caller``."""
+    if options is None:
+        return _DEFAULT_OPTIONS
+    if not isinstance(options, LinearCrossEntropyOptions):
+        raise TypeError(
+            f"{caller}: options must be a linear_ce.LinearCrossEntropyOptions or None, "
+            f"got {type(options).__name__}"
+        )
+    return options
+
+
+_DEFAULT_OPTIONS = LinearCrossEntropyOptions()
