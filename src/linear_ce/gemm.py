@@ -90,4 +90,5 @@ class NativeHalf(Gemm):
     logits are rounded to the half dtype once, then widened into the buffer."""
 
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        out.copy_(x @ weight.T)
+        # Formed class-major like ``out``, so the widening copy reads in order.
+        out.copy_(torch.mm(weight, x.T).T)
