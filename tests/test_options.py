@@ -90,13 +90,16 @@ def test_aspect_ratio_rule():
 
 def test_budget_rule():
     # Gradients (8192 + 32000)·4096·4 B = 658 505 728 B; a quarter is 164 626 432 B;
-    # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows.
-    assert _rows(8192, 4096, 32_000) == 1286
-    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1286
-    assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 643
-    assert _rows(8192, 4096, 32_000, softcap=True) == 643  # two scratch buffers
+    # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows, rounded down to a
+    # multiple of 32 for the GEMM -> 1280.
+    assert _rows(8192, 4096, 32_000) == 1280
+    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1280
+    assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 640  # 643 rounded
+    assert _rows(8192, 4096, 32_000, softcap=True) == 640  # two scratch buffers
     # bf16 gradients with fp32 scratch: half the budget for the same row bytes.
-    assert _rows(8192, 4096, 32_000, dtype=torch.bfloat16, acc=torch.float32) == 643
+    assert _rows(8192, 4096, 32_000, dtype=torch.bfloat16, acc=torch.float32) == 640
+    # A budget under 32 rows is not rounded (to zero).
+    assert _rows(64, 16, 100_000, chunking_method="budget:128") == 1
     # Budget below 128 rows: 128 for efficient GEMMs (here the budget gives 69).
     assert _rows(4096, 256, 50_000) == 128
     assert _rows(4096, 256, 50_000, chunking_method="budget:4") == 32

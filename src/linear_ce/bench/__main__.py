@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("--device cuda: torch sees no CUDA device", file=sys.stderr)
             return 2
-    console = Console()
+    # A pipe or CI log gets a table wide enough to read, not the 80-column default.
+    console = Console(width=None if sys.stdout.isatty() else 132)
     points = config.points(args.shape_list, args.dtype_list, args.device, args.sweep_spec,
                            args.sweep_dtypes)
     total = len(points) * len(args.variant_list) * (args.repeats + 1)
