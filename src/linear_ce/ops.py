@@ -17,6 +17,7 @@ no gradient.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from linear_ce.arguments import Call
 from linear_ce.chunked import run_chunks
@@ -198,14 +199,17 @@ def _scalar_backward(ctx, grad_loss, *_unused):
     stored = ctx.grads
     if any(need and g is None for g, need in zip(stored, ctx.needs, strict=True)):
         raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
+    # A traced backward (AOT autograd) cannot express handing a forward output over
+    # mutated in place; there the copy is the only correct choice.
+    in_place = not ctx.allow_retain_graph and not is_fake(grad_loss)
     scaled = []
     for g in stored:
         if g is None:
             scaled.append(None)
-        elif ctx.allow_retain_graph:
-            scaled.append(g * grad_loss.to(g.dtype))
-        else:
+        elif in_place:
             scaled.append(g.mul_(grad_loss.to(g.dtype)))
+        else:
+            scaled.append(g * grad_loss.to(g.dtype))
     if not ctx.allow_retain_graph:
         ctx.grads = [None, None, None]
     result[0], result[1], result[3] = scaled
