@@ -120,8 +120,9 @@ def _color(variant: str):
 def write_plot(
     summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str
 ) -> None:
-    """PNG of time (s) and transient memory (× grads) against ``dim`` (N, D or V),
-    one column per dtype; points that share the other two dimensions form a line."""
+    """PNG of time (× the floor measured in the same run) and transient memory
+    (× grads) against ``dim`` (N, D or V), one column per dtype; points that share
+    the other two dimensions form a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,11 +137,11 @@ def write_plot(
                 continue
             others = tuple(getattr(point, d) for d in "NDV" if d != dim)
             for row in rows:
-                if row.seconds is None:
+                if row.ratio is None:
                     continue
                 line = series.setdefault((others, row.variant), {"x": [], "t": [], "m": []})
                 line["x"].append(getattr(point, dim))
-                line["t"].append(row.seconds)
+                line["t"].append(row.ratio)
                 line["m"].append(row.peak_ratio)
         fixed = [d for d in "NDV" if d != dim]
         for (others, variant), line in sorted(series.items()):
@@ -154,7 +155,7 @@ def write_plot(
                      "color": _color(variant), "label": label}
             axes[0][col].plot(xs, [line["t"][i] for i in order], **style)
             axes[1][col].plot(xs, [line["m"][i] for i in order], **style)
-        for row, ylabel in enumerate(["time per call (s)", "transient peak / gradients' bytes"]):
+        for row, ylabel in enumerate(["time / floor (same run)", "transient peak / gradients' bytes"]):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
