@@ -47,7 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from linear_ce.arguments import Call, check_call
 from linear_ce.chunked import run_chunks
-from linear_ce.ops import _RETAIN_GRAPH_MESSAGE, _check_targets
+from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, make_plan
@@ -203,12 +203,12 @@ class _VocabParallelLoss(torch.autograd.Function):
             if result.grad_input is not None:
                 shard.sum_(result.grad_input)
             ctx.grads = [result.grad_input, result.grad_weight, result.grad_bias]
-            loss = (result.row_loss.sum() * terms.normaliser).to(input.dtype)
-            z_term = (terms.zeta * terms.token * result.lse.square()).sum() * terms.normaliser
+            loss = terms.reduce(result.row_loss).to(input.dtype)
+            z_term = terms.reduce(terms.z_rows(result.lse))
         else:
             ctx.save_for_backward(input.detach(), weight.detach(), None if bias is None else bias.detach())
             loss = result.row_loss.to(input.dtype)
-            z_term = terms.zeta * terms.token * result.lse.square()
+            z_term = terms.z_rows(result.lse)
         ctx.mark_non_differentiable(z_term, result.lse)
         return loss, z_term, result.lse
 
@@ -217,14 +217,7 @@ class _VocabParallelLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z, _grad_lse):
         spec: _Spec = ctx.spec
         if spec.call.reduction != "none":
-            grads = ctx.grads
-            if any(need and g is None for g, need in zip(grads, spec.needs, strict=True)):
-                raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
-            if spec.allow_retain_graph:
-                scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
-            else:
-                scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
-                ctx.grads = [None, None, None]
+            scaled = hand_over_gradients(ctx, spec.needs, grad_loss, spec.allow_retain_graph)
             return (*scaled, None)
 
         input, weight, bias = ctx.saved_tensors

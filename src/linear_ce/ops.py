@@ -25,7 +25,7 @@ from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.rows import row_terms
 
-__all__ = ["chunked_rows", "chunked_scalar"]
+__all__ = ["chunked_rows", "chunked_scalar", "hand_over_gradients"]
 
 
 def _call(
@@ -142,11 +142,9 @@ def chunked_scalar(
         call, terms, plan,
         grad_input=need_grad_input, grad_weight=need_grad_weight, grad_bias=need_grad_bias,
     )
-    loss = (result.row_loss.sum() * terms.normaliser).to(input.dtype)
-    z_term = (terms.zeta * terms.token * result.lse.square()).sum() * terms.normaliser
     return (
-        loss,
-        z_term.to(plan.acc_dtype),
+        terms.reduce(result.row_loss).to(input.dtype),
+        terms.reduce(terms.z_rows(result.lse)).to(plan.acc_dtype),
         result.lse,
         _empty(input) if result.grad_input is None else result.grad_input,
         _empty(input) if result.grad_weight is None else result.grad_weight,
@@ -185,34 +183,39 @@ def _scalar_setup_context(ctx, inputs, output):
 
 
 _NO_GRAD = [None] * 20
-_RETAIN_GRAPH_MESSAGE = (
-    "linear_cross_entropy: backward ran twice through a graph whose gradients were already "
-    "handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) to "
-    "backward more than once"
-)
+
+
+def hand_over_gradients(
+    ctx, needs: tuple[bool, ...], grad_loss: torch.Tensor, allow_retain_graph: bool
+) -> list[torch.Tensor | None]:
+    """The gradients stored in ``ctx.grads`` by forward, scaled by the scalar upstream
+    gradient. Without ``allow_retain_graph`` the stored buffers are scaled in place and
+    released, so a second backward raises instead of returning wrong numbers."""
+    stored = ctx.grads
+    if any(need and g is None for g, need in zip(stored, needs, strict=True)):
+        raise RuntimeError(
+            "linear_cross_entropy: backward ran twice through a graph whose gradients were "
+            "already handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) "
+            "to backward more than once"
+        )
+    # A traced backward (AOT autograd) cannot express handing a forward output over
+    # mutated in place; there the copy is the only correct choice.
+    in_place = not allow_retain_graph and not is_fake(grad_loss)
+    if not allow_retain_graph:
+        ctx.grads = [None] * len(stored)
+    return [
+        None if g is None else g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)
+        for g in stored
+    ]
 
 
 def _scalar_backward(ctx, grad_loss, *_unused):
     result = list(_NO_GRAD)
     if grad_loss is None:
         return tuple(result)
-    stored = ctx.grads
-    if any(need and g is None for g, need in zip(stored, ctx.needs, strict=True)):
-        raise RuntimeError(_RETAIN_GRAPH_MESSAGE)
-    # A traced backward (AOT autograd) cannot express handing a forward output over
-    # mutated in place; there the copy is the only correct choice.
-    in_place = not ctx.allow_retain_graph and not is_fake(grad_loss)
-    scaled = []
-    for g in stored:
-        if g is None:
-            scaled.append(None)
-        elif in_place:
-            scaled.append(g.mul_(grad_loss.to(g.dtype)))
-        else:
-            scaled.append(g * grad_loss.to(g.dtype))
-    if not ctx.allow_retain_graph:
-        ctx.grads = [None, None, None]
-    result[0], result[1], result[3] = scaled
+    result[0], result[1], result[3] = hand_over_gradients(
+        ctx, ctx.needs, grad_loss, ctx.allow_retain_graph
+    )
     return tuple(result)
 
 
@@ -258,10 +261,9 @@ def chunked_rows(
         grad_weight=backward and need_grad_weight,
         grad_bias=backward and need_grad_bias,
     )
-    z_rows = terms.zeta * terms.token * result.lse.square()
     return (
         result.row_loss.to(input.dtype),
-        z_rows,
+        terms.z_rows(result.lse),
         result.lse,
         _empty(input) if result.grad_input is None else result.grad_input,
         _empty(input) if result.grad_weight is None else result.grad_weight,

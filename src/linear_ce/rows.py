@@ -63,6 +63,14 @@ class RowTerms:
     normaliser: torch.Tensor
     class_weight: torch.Tensor | None
 
+    def z_rows(self, lse: torch.Tensor) -> torch.Tensor:
+        """The z-loss term of each row, :math:`\\tau_i\\,\\lambda\\,\\omega_i\\,\\mathrm{lse}_i^2`."""
+        return self.zeta * self.token * lse.square()
+
+    def reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """The ``"mean"``/``"sum"`` reduction of per-row values: their sum times ``normaliser``."""
+        return rows.sum() * self.normaliser
+
 
 #: Elements of a probability target upcast at a time: the row sums need a
 #: bounded scratch, not an acc-dtype copy of the whole ``(N, C)`` target.
