@@ -70,10 +70,6 @@ class VocabShard:
         self.total = total
         self.group = group
 
-    def num_classes(self, local_classes: int) -> int:
-        """Classes of the whole vocabulary (the ``C`` of label smoothing)."""
-        return self.total
-
     def max_(self, row_max: torch.Tensor) -> None:
         """Make ``row_max`` the maximum over every shard, in place."""
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)

@@ -51,18 +51,6 @@ class Plan:
     gemm: Gemm
     policy: str
 
-    def scratch_bytes(self, num_classes: int, in_features: int, softcap: bool) -> int:
-        """Bytes of the buffers this plan adds on top of inputs and results."""
-        acc = self.acc_dtype.itemsize
-        chunk = self.rows_per_chunk * num_classes * acc * (2 if softcap else 1)
-        weight_acc = num_classes * in_features * acc if self.weight_grad_dtype != self.input_dtype else 0
-        weight_copy = (
-            num_classes * in_features * self.gemm.operand_dtype.itemsize
-            if self.gemm.operand_dtype != self.input_dtype
-            else 0
-        )
-        return chunk + weight_acc + weight_copy
-
 
 def choose_chunk_rows(
     rows: int,

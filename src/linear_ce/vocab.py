@@ -11,14 +11,10 @@ class LocalVocab:
     """The whole vocabulary in one process: combining row statistics is a no-op.
 
     A vocab-parallel shard (:mod:`linear_ce.distributed`) provides the same
-    three members with collectives behind them.
+    members (``start``, ``max_``, ``sum_``) with collectives behind them.
     """
 
     start: int = 0
-
-    def num_classes(self, local_classes: int) -> int:
-        """Classes of the whole vocabulary (the ``C`` of label smoothing)."""
-        return local_classes
 
     def max_(self, row_max: torch.Tensor) -> None:
         """Make ``row_max`` the maximum over every shard, in place."""
