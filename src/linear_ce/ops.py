@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from linear_ce.arguments import Call
-from linear_ce.chunked import run_chunks
+from linear_ce.chunked import ChunkResult, run_chunks
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.rows import row_terms
@@ -91,8 +91,11 @@ def _plan(call: Call, options: LinearCrossEntropyOptions):
     )
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,))
+def _gradient_outputs(result: ChunkResult, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The three gradient slots of an op's result; an op cannot return ``None``, so a
+    gradient that was not computed is an empty tensor."""
+    grads = (result.grad_input, result.grad_weight, result.grad_bias)
+    return tuple(like.new_empty((0,)) if g is None else g for g in grads)
 
 
 @torch.library.custom_op("linear_ce::chunked_scalar", mutates_args=())
@@ -146,9 +149,20 @@ def chunked_scalar(
         terms.reduce(result.row_loss).to(input.dtype),
         terms.reduce(terms.z_rows(result.lse)).to(plan.acc_dtype),
         result.lse,
-        _empty(input) if result.grad_input is None else result.grad_input,
-        _empty(input) if result.grad_weight is None else result.grad_weight,
-        _empty(input) if result.grad_bias is None else result.grad_bias,
+        *_gradient_outputs(result, input),
+    )
+
+
+def _fake_outputs(input, linear_weight, acc_dtype, loss_shape, needs):
+    """Shapes and dtypes of ``(loss, z_loss, lse, grad_input, grad_weight, grad_bias)``."""
+    acc = acc_dtype_for(input.dtype, acc_dtype)
+    lse_shape = (input.shape[0], linear_weight.shape[1])
+    grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:2])
+    return (
+        input.new_empty(loss_shape),
+        input.new_empty(loss_shape, dtype=acc),
+        input.new_empty(lse_shape, dtype=acc),
+        *(input.new_empty(shape if need else (0,)) for shape, need in zip(grad_shapes, needs, strict=True)),
     )
 
 
@@ -159,15 +173,8 @@ def _chunked_scalar_fake(
     batch_chunk_size, chunking_method, acc_policy, acc_dtype, allow_retain_graph,
     need_grad_input, need_grad_weight, need_grad_bias,
 ):
-    acc = acc_dtype_for(input.dtype, acc_dtype)
-    rows, positions = input.shape[0], linear_weight.shape[1]
-    return (
-        input.new_empty(()),
-        input.new_empty((), dtype=acc),
-        input.new_empty((rows, positions), dtype=acc),
-        input.new_empty(input.shape if need_grad_input else (0,)),
-        input.new_empty(linear_weight.shape if need_grad_weight else (0,)),
-        input.new_empty(linear_weight.shape[:2] if need_grad_bias else (0,)),
+    return _fake_outputs(
+        input, linear_weight, acc_dtype, (), (need_grad_input, need_grad_weight, need_grad_bias)
     )
 
 
@@ -265,9 +272,7 @@ def chunked_rows(
         result.row_loss.to(input.dtype),
         terms.z_rows(result.lse),
         result.lse,
-        _empty(input) if result.grad_input is None else result.grad_input,
-        _empty(input) if result.grad_weight is None else result.grad_weight,
-        _empty(input) if result.grad_bias is None else result.grad_bias,
+        *_gradient_outputs(result, input),
     )
 
 
@@ -278,17 +283,10 @@ def _chunked_rows_fake(
     batch_chunk_size, chunking_method, acc_policy, acc_dtype,
     need_grad_input, need_grad_weight, need_grad_bias,
 ):
-    acc = acc_dtype_for(input.dtype, acc_dtype)
-    rows, positions = input.shape[0], linear_weight.shape[1]
     backward = grad_output is not None
-    return (
-        input.new_empty((rows, positions)),
-        input.new_empty((rows, positions), dtype=acc),
-        input.new_empty((rows, positions), dtype=acc),
-        input.new_empty(input.shape if backward and need_grad_input else (0,)),
-        input.new_empty(linear_weight.shape if backward and need_grad_weight else (0,)),
-        input.new_empty(linear_weight.shape[:2] if backward and need_grad_bias else (0,)),
-    )
+    needs = (backward and need_grad_input, backward and need_grad_weight, backward and need_grad_bias)
+    rows_shape = (input.shape[0], linear_weight.shape[1])
+    return _fake_outputs(input, linear_weight, acc_dtype, rows_shape, needs)
 
 
 def _rows_setup_context(ctx, inputs, output):
