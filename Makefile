@@ -18,19 +18,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff format --check src tests examples
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff format --check src tests examples
 
 format: $(STAMP)
-	$(PY) -m ruff format src tests
-	$(PY) -m ruff check --fix src tests
+	$(PY) -m ruff format src tests examples
+	$(PY) -m ruff check --fix src tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out

@@ -83,10 +83,17 @@ def train(args: argparse.Namespace) -> dict:
     ids, vocab = encode(args.text)
     data = torch.tensor(ids)
     config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=args.seq, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        vocab_size=len(vocab),
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
@@ -184,12 +191,16 @@ def main() -> None:
 
     plain, fused = results["plain"], results["linear_ce"]
     worst = max(abs(a - b) for a, b in zip(plain["losses"], fused["losses"], strict=True))
-    print(f"text: {plain['tokens']:,} tokens, vocab {plain['vocab']:,}; {args.steps} steps of "
-          f"{args.batch}x{args.seq} tokens; logits per step {plain['logits_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"text: {plain['tokens']:,} tokens, vocab {plain['vocab']:,}; {args.steps} steps of "
+        f"{args.batch}x{args.seq} tokens; logits per step {plain['logits_bytes'] / 2**20:.1f} MiB"
+    )
     for name, result in results.items():
-        print(f"{VARIANTS[name]:>32}: first loss {result['losses'][0]:.4f}, last "
-              f"{result['losses'][-1]:.4f}, peak step memory {result['peak_bytes'] / 2**20:6.1f} MiB, "
-              f"{result['seconds']:.0f} s")
+        print(
+            f"{VARIANTS[name]:>32}: first loss {result['losses'][0]:.4f}, last "
+            f"{result['losses'][-1]:.4f}, peak step memory {result['peak_bytes'] / 2**20:6.1f} MiB, "
+            f"{result['seconds']:.0f} s"
+        )
     print(f"largest |loss difference| over all steps: {worst:.2e}")
     print(f"plot: {args.out}")
 

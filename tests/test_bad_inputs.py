@@ -55,44 +55,84 @@ def test_tripwire_is_armed():
 BAD_TENSORS = {
     "input 0-d": ({"input": torch.tensor(1.0)}, r"input must have shape \(\*, in_features\)"),
     "weight 1-d": ({"linear_weight": torch.randn(F_)}, r"linear_weight must have shape"),
-    "in_features": ({"linear_weight": torch.randn(V, F_ + 1)}, r"in_features mismatch: input has 4"),
-    "no classes": ({"linear_weight": torch.randn(0, F_)}, r"linear_weight must have at least one class"),
-    "target batch": ({"target": torch.zeros(N + 1, dtype=torch.long)},
-                     r"class-index target must have shape \(6,\).*got \(7,\)"),
-    "target rank": ({"target": torch.zeros(N, 1, dtype=torch.long)},
-                    r"class-index target must have shape \(6,\)"),
-    "float target shape": ({"target": torch.rand(N, V + 1)},
-                           r"floating target .* must have the logits' shape \(6, 5\)"),
+    "in_features": (
+        {"linear_weight": torch.randn(V, F_ + 1)},
+        r"in_features mismatch: input has 4",
+    ),
+    "no classes": (
+        {"linear_weight": torch.randn(0, F_)},
+        r"linear_weight must have at least one class",
+    ),
+    "target batch": (
+        {"target": torch.zeros(N + 1, dtype=torch.long)},
+        r"class-index target must have shape \(6,\).*got \(7,\)",
+    ),
+    "target rank": (
+        {"target": torch.zeros(N, 1, dtype=torch.long)},
+        r"class-index target must have shape \(6,\)",
+    ),
+    "float target shape": (
+        {"target": torch.rand(N, V + 1)},
+        r"floating target .* must have the logits' shape \(6, 5\)",
+    ),
     "float target 1-d": ({"target": torch.rand(N)}, r"floating target .* shape \(6, 5\)"),
-    "prob target dtype": ({"target": torch.rand(N, V, dtype=torch.float64)},
-                          r"probability target dtype torch.float64 differs from input dtype"),
-    "prob target grad": ({"target": torch.rand(N, V, requires_grad=True)},
-                         r"probability target that requires grad"),
-    "bool target": ({"target": torch.zeros(N, dtype=torch.bool)},
-                    r"class-index target must be an integer tensor"),
-    "integer input": ({"input": torch.ones(N, F_, dtype=torch.long),
-                       "linear_weight": torch.ones(V, F_, dtype=torch.long)},
-                      r"input must be a floating tensor .* got torch.int64"),
-    "complex input": ({"input": torch.ones(N, F_, dtype=torch.complex64)},
-                      r"input must be a floating tensor"),
-    "dtype mismatch": ({"linear_weight": torch.randn(V, F_, dtype=torch.float64)},
-                       r"linear_weight dtype torch.float64 differs from input dtype torch.float32"),
+    "prob target dtype": (
+        {"target": torch.rand(N, V, dtype=torch.float64)},
+        r"probability target dtype torch.float64 differs from input dtype",
+    ),
+    "prob target grad": (
+        {"target": torch.rand(N, V, requires_grad=True)},
+        r"probability target that requires grad",
+    ),
+    "bool target": (
+        {"target": torch.zeros(N, dtype=torch.bool)},
+        r"class-index target must be an integer tensor",
+    ),
+    "integer input": (
+        {
+            "input": torch.ones(N, F_, dtype=torch.long),
+            "linear_weight": torch.ones(V, F_, dtype=torch.long),
+        },
+        r"input must be a floating tensor .* got torch.int64",
+    ),
+    "complex input": (
+        {"input": torch.ones(N, F_, dtype=torch.complex64)},
+        r"input must be a floating tensor",
+    ),
+    "dtype mismatch": (
+        {"linear_weight": torch.randn(V, F_, dtype=torch.float64)},
+        r"linear_weight dtype torch.float64 differs from input dtype torch.float32",
+    ),
     "bias shape": ({"linear_bias": torch.randn(V + 1)}, r"linear_bias must have shape \(5,\)"),
-    "bias dtype": ({"linear_bias": torch.randn(V, dtype=torch.float64)},
-                   r"linear_bias dtype torch.float64 differs"),
-    "class weight shape": ({"weight": torch.rand(V - 1)},
-                           r"weight \(class weights\) must have shape \(5,\), got \(4,\)"),
+    "bias dtype": (
+        {"linear_bias": torch.randn(V, dtype=torch.float64)},
+        r"linear_bias dtype torch.float64 differs",
+    ),
+    "class weight shape": (
+        {"weight": torch.rand(V - 1)},
+        r"weight \(class weights\) must have shape \(5,\), got \(4,\)",
+    ),
     "class weight 2-d": ({"weight": torch.rand(1, V)}, r"weight \(class weights\) must have shape"),
-    "class weight dtype": ({"weight": torch.rand(V, dtype=torch.float64)},
-                           r"weight \(class weights\) must have the input's dtype torch.float32"),
-    "class weight grad": ({"weight": torch.rand(V, requires_grad=True)},
-                          r"weight \(class weights\) that requires grad is not supported"),
-    "token weight shape": ({"token_weight": torch.rand(N + 1)},
-                           r"token_weight must have the per-token loss shape \(6,\)"),
-    "token weight int": ({"token_weight": torch.ones(N, dtype=torch.long)},
-                         r"token_weight must be a floating tensor"),
-    "token weight grad": ({"token_weight": torch.rand(N, requires_grad=True)},
-                          r"token_weight that requires grad"),
+    "class weight dtype": (
+        {"weight": torch.rand(V, dtype=torch.float64)},
+        r"weight \(class weights\) must have the input's dtype torch.float32",
+    ),
+    "class weight grad": (
+        {"weight": torch.rand(V, requires_grad=True)},
+        r"weight \(class weights\) that requires grad is not supported",
+    ),
+    "token weight shape": (
+        {"token_weight": torch.rand(N + 1)},
+        r"token_weight must have the per-token loss shape \(6,\)",
+    ),
+    "token weight int": (
+        {"token_weight": torch.ones(N, dtype=torch.long)},
+        r"token_weight must be a floating tensor",
+    ),
+    "token weight grad": (
+        {"token_weight": torch.rand(N, requires_grad=True)},
+        r"token_weight that requires grad",
+    ),
     "input not a tensor": ({"input": [[1.0] * F_] * N}, r"input must be a Tensor, got list"),
     "target not a tensor": ({"target": [0] * N}, r"target must be a Tensor, got list"),
     "weight not a tensor": ({"weight": [1.0] * V}, r"weight must be a Tensor or None, got list"),
@@ -106,8 +146,9 @@ def test_bad_tensor_is_named(name):
         _call(**changes)
 
 
-@pytest.mark.parametrize("where", ["input", "linear_weight", "target", "linear_bias", "weight",
-                                   "token_weight"])
+@pytest.mark.parametrize(
+    "where", ["input", "linear_weight", "target", "linear_bias", "weight", "token_weight"]
+)
 def test_tensors_on_different_devices(where):
     """The ``meta`` device stands in for a second device: every argument is compared."""
     args = _good(linear_bias=torch.randn(V), weight=torch.rand(V), token_weight=torch.rand(N))
@@ -121,8 +162,11 @@ def test_tensors_on_different_devices(where):
 def test_target_out_of_range_names_the_value(value, reduction):
     target = torch.randint(0, V, (N,))
     target[3] = value
-    with pytest.raises(ValueError, match=rf"target contains class index {value}, outside \[0, 5\) "
-                                         r"and not ignore_index=-100"):
+    with pytest.raises(
+        ValueError,
+        match=rf"target contains class index {value}, outside \[0, 5\) "
+        r"and not ignore_index=-100",
+    ):
         _call(target=target, reduction=reduction)
 
 
@@ -140,7 +184,10 @@ def test_out_of_range_target_in_kdim_loss():
 
 
 BAD_OPTIONS = {
-    "reduction": ({"reduction": "avg"}, r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
+    "reduction": (
+        {"reduction": "avg"},
+        r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'",
+    ),
     "smoothing range": ({"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\], got 1.5"),
     "smoothing nan": ({"label_smoothing": float("nan")}, r"label_smoothing must be in \[0, 1\]"),
     "smoothing type": ({"label_smoothing": "0.1"}, r"label_smoothing must be a float"),
@@ -152,10 +199,14 @@ BAD_OPTIONS = {
     "softcap zero": ({"softcap": 0.0}, r"softcap must be None or a finite float > 0"),
     "softcap inf": ({"softcap": float("inf")}, r"softcap must be None or a finite float > 0"),
     "shift negative": ({"shift": -1}, r"shift must be a bool or an int >= 0, got -1"),
-    "shift without sequence": ({"input": torch.randn(F_), "target": torch.tensor(1), "shift": 1},
-                               r"shift needs input of shape \(..., T, in_features\)"),
-    "ignore_index with prob": ({"target": torch.rand(N, V), "ignore_index": 0},
-                               r"ignore_index cannot be used with probability targets"),
+    "shift without sequence": (
+        {"input": torch.randn(F_), "target": torch.tensor(1), "shift": 1},
+        r"shift needs input of shape \(..., T, in_features\)",
+    ),
+    "ignore_index with prob": (
+        {"target": torch.rand(N, V), "ignore_index": 0},
+        r"ignore_index cannot be used with probability targets",
+    ),
     "options type": ({"options": {"batch_chunk_size": 4}}, r"options must be a linear_ce"),
 }
 
@@ -192,8 +243,11 @@ def test_acc_dtype_narrower_than_input(reduction):
     x = torch.randn(N, F_, dtype=torch.float64)
     W = torch.randn(V, F_, dtype=torch.float64)
     options = LinearCrossEntropyOptions(acc_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"acc_dtype=torch.float32 is narrower than the input "
-                                         r"dtype torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"acc_dtype=torch.float32 is narrower than the input "
+        r"dtype torch.float64",
+    ):
         _call(input=x, linear_weight=W, options=options, reduction=reduction)
 
 

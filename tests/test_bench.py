@@ -17,9 +17,26 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_report_end_to_end(tmp_path):
     plot, out = tmp_path / "bench.png", tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "linear_ce.bench", "--shapes", "32,16,64", "--dtype", "bf16",
-         "--sweep", "V=32,64", "--repeats", "1", "--plot", str(plot), "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "linear_ce.bench",
+            "--shapes",
+            "32,16,64",
+            "--dtype",
+            "bf16",
+            "--sweep",
+            "V=32,64",
+            "--repeats",
+            "1",
+            "--plot",
+            str(plot),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -43,7 +60,14 @@ def test_report_end_to_end(tmp_path):
         rows = {row["variant"]: row for row in point["rows"]}
         # Every variant that can run anywhere produced a time; half inputs are
         # measured against the fp32 floor, which is its own reference.
-        for name in ("floor-fp32", "plain", "plain-compile", "linear_ce", "floor-fwd", "linear_ce-fwd"):
+        for name in (
+            "floor-fp32",
+            "plain",
+            "plain-compile",
+            "linear_ce",
+            "floor-fwd",
+            "linear_ce-fwd",
+        ):
             assert rows[name]["seconds"] is not None and rows[name]["seconds"] > 0, rows[name]
             assert rows[name]["peak_bytes"] >= 0
         assert rows["floor-fp32"]["ratio"] == pytest.approx(1.0)
@@ -68,7 +92,12 @@ def test_bad_shapes(text, message):
 def test_bad_cli_values():
     from linear_ce.bench.__main__ import parse_args
 
-    for argv in (["--dtype", "int8"], ["--sweep", "Q=1"], ["--variants", "nope"], ["--repeats", "0"]):
+    for argv in (
+        ["--dtype", "int8"],
+        ["--sweep", "Q=1"],
+        ["--variants", "nope"],
+        ["--repeats", "0"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert set(DEFAULT) <= set(VARIANTS)

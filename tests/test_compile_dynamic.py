@@ -18,8 +18,9 @@ OPTIONS = LinearCrossEntropyOptions(allow_retain_graph=True, batch_chunk_size=4)
 
 
 def _loss(x, W, t, reduction):
-    loss = linear_ce.linear_cross_entropy(x, W, t, reduction=reduction, label_smoothing=0.1,
-                                          options=OPTIONS)
+    loss = linear_ce.linear_cross_entropy(
+        x, W, t, reduction=reduction, label_smoothing=0.1, options=OPTIONS
+    )
     return loss if reduction != "none" else loss.sum()
 
 
@@ -47,7 +48,8 @@ def test_dynamic_rows_compile_once_and_match_eager(reduction):
         assert rel_err(got, ref) <= 3 * eps(torch.float64)
         for a, r in zip(got_grads, ref_grads, strict=True):
             assert rel_err(a, r) <= 3 * eps(torch.float64)
-        plain = torch.nn.functional.cross_entropy(x @ W.T, t, label_smoothing=0.1,
-                                                  reduction=reduction).sum()
+        plain = torch.nn.functional.cross_entropy(
+            x @ W.T, t, label_smoothing=0.1, reduction=reduction
+        ).sum()
         assert rel_err(got, plain) <= 3 * eps(torch.float64)
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for 3 row counts"

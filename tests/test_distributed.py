@@ -31,11 +31,26 @@ DIST_TOL = 1e-5  # the issue's bound against the single-process result (fp32)
 
 # ----------------------------------------------------------------------------- the cases
 
+
 def _case(name: str, **kw) -> dict:
     base = dict(
-        name=name, rows=(48,), features=24, positions=None, reduction="mean", bias=False,
-        class_weight=False, ignore=False, ignore_index=None, smoothing=0.0, z_loss=0.0,
-        softcap=None, token_weight=False, prob=False, shift=False, chunk=16, layout="gathered",
+        name=name,
+        rows=(48,),
+        features=24,
+        positions=None,
+        reduction="mean",
+        bias=False,
+        class_weight=False,
+        ignore=False,
+        ignore_index=None,
+        smoothing=0.0,
+        z_loss=0.0,
+        softcap=None,
+        token_weight=False,
+        prob=False,
+        shift=False,
+        chunk=16,
+        layout="gathered",
     )
     base.update(kw)
     return base
@@ -43,15 +58,41 @@ def _case(name: str, **kw) -> dict:
 
 CASES = [
     _case("mean_ignored_rows", bias=True, ignore=True),
-    _case("sum_class_weights_custom_ignore", reduction="sum", class_weight=True, ignore=True,
-          ignore_index=3, layout="lopsided"),
-    _case("none_smoothing_weights", reduction="none", class_weight=True, ignore=True,
-          smoothing=0.1, bias=True),
-    _case("mean_all_extras", class_weight=True, ignore=True, smoothing=0.2, z_loss=1e-2,
-          softcap=4.0, token_weight=True, bias=True),
+    _case(
+        "sum_class_weights_custom_ignore",
+        reduction="sum",
+        class_weight=True,
+        ignore=True,
+        ignore_index=3,
+        layout="lopsided",
+    ),
+    _case(
+        "none_smoothing_weights",
+        reduction="none",
+        class_weight=True,
+        ignore=True,
+        smoothing=0.1,
+        bias=True,
+    ),
+    _case(
+        "mean_all_extras",
+        class_weight=True,
+        ignore=True,
+        smoothing=0.2,
+        z_loss=1e-2,
+        softcap=4.0,
+        token_weight=True,
+        bias=True,
+    ),
     _case("sum_prob_targets", reduction="sum", prob=True, smoothing=0.1, class_weight=True),
-    _case("none_k_dim_z_loss", reduction="none", positions=2, z_loss=1e-2, bias=True,
-          layout="explicit"),
+    _case(
+        "none_k_dim_z_loss",
+        reduction="none",
+        positions=2,
+        z_loss=1e-2,
+        bias=True,
+        layout="explicit",
+    ),
     _case("sum_shift_softcap", rows=(2, 12), reduction="sum", shift=True, softcap=3.0),
     _case("mean_default_options", chunk=None, smoothing=0.05, ignore=True),
 ]
@@ -112,11 +153,12 @@ def _kwargs(case: dict) -> dict:
 
 # ----------------------------------------------------------------------------- the reference
 
+
 def _plain(case: dict, x, W, b, t, cw, tw):
     """cross_entropy(linear(x, W, b), t) + z-loss, written out on the full logits."""
     # (*, V) for a (V, F) weight; (N, V, P) for a K-dimensional (V, P, F) one.
-    logits = torch.einsum("...f,vf->...v", x, W) if W.dim() == 2 else torch.einsum(
-        "nf,vpf->nvp", x, W
+    logits = (
+        torch.einsum("...f,vf->...v", x, W) if W.dim() == 2 else torch.einsum("nf,vpf->nvp", x, W)
     )
     if b is not None:
         logits = logits + b
@@ -131,8 +173,12 @@ def _plain(case: dict, x, W, b, t, cw, tw):
         t = t.flatten(0, 1)
         tw = None if tw is None else tw.flatten()
     ce = F.cross_entropy(
-        logits, t, weight=cw, ignore_index=ignore_index,
-        label_smoothing=case["smoothing"], reduction="none",
+        logits,
+        t,
+        weight=cw,
+        ignore_index=ignore_index,
+        label_smoothing=case["smoothing"],
+        reduction="none",
     )
     lse = torch.logsumexp(logits, dim=1)
     if case["prob"]:
@@ -172,20 +218,37 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
     start, size = sum(sizes[:rank]), sizes[rank]
     rows_of = slice(start, start + size)
     kw = _kwargs(case)
-    layout = {} if case["layout"] == "gathered" else dict(vocab_start=start, num_classes=num_classes)
+    layout = (
+        {} if case["layout"] == "gathered" else dict(vocab_start=start, num_classes=num_classes)
+    )
 
     def sharded(x, W, b, t, cw, tw):
         out = vocab_parallel_linear_cross_entropy(
-            x, W, t, linear_bias=b, weight=cw, token_weight=tw,
-            return_z_loss=True, return_lse=True, **layout, **kw,
+            x,
+            W,
+            t,
+            linear_bias=b,
+            weight=cw,
+            token_weight=tw,
+            return_z_loss=True,
+            return_lse=True,
+            **layout,
+            **kw,
         )
         sharded.extras = out
         return out.loss
 
     def single(x, W, b, t, cw, tw):
         out = linear_ce.linear_cross_entropy(
-            x, W, t, linear_bias=b, weight=cw, token_weight=tw,
-            return_z_loss=True, return_lse=True, **kw,
+            x,
+            W,
+            t,
+            linear_bias=b,
+            weight=cw,
+            token_weight=tw,
+            return_z_loss=True,
+            return_lse=True,
+            **kw,
         )
         single.extras = out
         return out.loss
@@ -210,11 +273,15 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
         vs_plain = rel_err(g, r)
         bound = max(3 * eps(torch.float32), 2 * rel_err(p, r))
         if not vs_single <= DIST_TOL:
-            failures.append(f"{case['name']} rank {rank}/{world}: {name} vs single-process "
-                            f"{vs_single:.2e} > {DIST_TOL}")
+            failures.append(
+                f"{case['name']} rank {rank}/{world}: {name} vs single-process "
+                f"{vs_single:.2e} > {DIST_TOL}"
+            )
         if not vs_plain <= bound:
-            failures.append(f"{case['name']} rank {rank}/{world}: {name} vs float64 plain "
-                            f"{vs_plain:.2e} > {bound:.2e}")
+            failures.append(
+                f"{case['name']} rank {rank}/{world}: {name} vs float64 plain "
+                f"{vs_plain:.2e} > {bound:.2e}"
+            )
     for name in ("z_loss", "lse"):
         err = rel_err(getattr(sharded.extras, name), getattr(single.extras, name))
         if not err <= DIST_TOL:
@@ -230,6 +297,7 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- counting
+
 
 def _count_collectives(rank: int, world: int) -> list[str]:
     """Wrap all_reduce / all_gather and compare with the documented numbers."""
@@ -273,9 +341,14 @@ def _count_collectives(rank: int, world: int) -> list[str]:
     def forward(reduction, layout, input_grad=True):
         def go():
             state["loss"] = vocab_parallel_linear_cross_entropy(
-                x if input_grad else x.detach(), shard, t, reduction=reduction, options=options,
+                x if input_grad else x.detach(),
+                shard,
+                t,
+                reduction=reduction,
+                options=options,
                 **layout,
             )
+
         return go
 
     def backward():
@@ -286,15 +359,31 @@ def _count_collectives(rank: int, world: int) -> list[str]:
     checks = []
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
     try:
-        checks.append(("mean forward", counted(forward("mean", explicit)),
-                       (per_pass + 1, chunks * positions, 0, 1)))
+        checks.append(
+            (
+                "mean forward",
+                counted(forward("mean", explicit)),
+                (per_pass + 1, chunks * positions, 0, 1),
+            )
+        )
         checks.append(("mean backward", counted(backward), (0, 0, 0, 0)))
-        checks.append(("sum, input without grad", counted(forward("sum", explicit, False)),
-                       (per_pass, chunks * positions, 0, 0)))
-        checks.append(("none forward, gathered layout", counted(forward("none", {})),
-                       (per_pass, chunks * positions, 1, 0)))
-        checks.append(("none backward", counted(backward),
-                       (per_pass + 1, chunks * positions, 0, 1)))
+        checks.append(
+            (
+                "sum, input without grad",
+                counted(forward("sum", explicit, False)),
+                (per_pass, chunks * positions, 0, 0),
+            )
+        )
+        checks.append(
+            (
+                "none forward, gathered layout",
+                counted(forward("none", {})),
+                (per_pass, chunks * positions, 1, 0),
+            )
+        )
+        checks.append(
+            ("none backward", counted(backward), (per_pass + 1, chunks * positions, 0, 1))
+        )
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     return [
@@ -307,12 +396,16 @@ def _count_collectives(rank: int, world: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- the workers
 
+
 def _worker(rank: int, world: int, folder: str) -> None:
     """Run every case and the collective count on one rank; write the failures found."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{folder}/store",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     try:
@@ -358,12 +451,14 @@ def test_collective_count_is_documented(failures):
 
 # ----------------------------------------------------------------------------- in-process checks
 
+
 @pytest.fixture
 def one_rank(tmp_path, monkeypatch):
     """A one-process gloo group, torn down afterwards."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         yield
     finally:

@@ -36,6 +36,7 @@ def _leaf(t, grad=True):
 
 # ---------------------------------------------------------------- non-finite inputs
 
+
 def _patterns_equal(name, got, ref, tol):
     got, ref = got.detach().double(), ref.detach().double()
     assert torch.equal(got.isnan(), ref.isnan()), f"{name}: NaN pattern {got} vs {ref}"
@@ -54,8 +55,8 @@ NONFINITE = [
     ("W", (3, 1), float("inf")),
     ("W", (0, 3), float("-inf")),
     ("b", (3,), float("nan")),
-    ("b", (3,), float("inf")),      # every row's max is +inf
-    ("b", (2,), float("-inf")),     # a masked class: finite unless it is the target
+    ("b", (3,), float("inf")),  # every row's max is +inf
+    ("b", (2,), float("-inf")),  # a masked class: finite unless it is the target
     ("b", (slice(None),), float("-inf")),  # every logit -inf
 ]
 EXTRAS = {
@@ -86,21 +87,37 @@ def test_non_finite_inputs_propagate_like_the_plain_expression(extras, reduction
         cw = torch.rand(V, generator=g).to(dtype) + 0.5 if setting.get("class_weight") else None
         tw = torch.rand(N, generator=g).to(dtype) if setting.get("token_weight") else None
         up = torch.randn(N, generator=g).to(dtype) if reduction == "none" else None
-        kw = {"reduction": reduction, "label_smoothing": setting.get("label_smoothing", 0.0),
-              "z_loss": setting.get("z_loss", 0.0), "softcap": setting.get("softcap")}
+        kw = {
+            "reduction": reduction,
+            "label_smoothing": setting.get("label_smoothing", 0.0),
+            "z_loss": setting.get("z_loss", 0.0),
+            "softcap": setting.get("softcap"),
+        }
 
         leaves = [_leaf(v) for v in (x, W, b)]
         out = linear_ce.linear_cross_entropy(
-            *leaves[:2], t, linear_bias=leaves[2], weight=cw, token_weight=tw, options=CHUNK2,
-            return_lse=True, **kw,
+            *leaves[:2],
+            t,
+            linear_bias=leaves[2],
+            weight=cw,
+            token_weight=tw,
+            options=CHUNK2,
+            return_lse=True,
+            **kw,
         )
         got = [out.loss, *_grads(out.loss, leaves, up)]
 
         ref_leaves = [_leaf(v.double()) for v in (x, W, b)]
         loss, _, lse = plain_expression(
-            ref_leaves[0], ref_leaves[1], t, b=ref_leaves[2],
-            class_weight=None if cw is None else cw.double(), ignore_index=-100,
-            token_weight=None if tw is None else tw.double(), prob=False, **kw,
+            ref_leaves[0],
+            ref_leaves[1],
+            t,
+            b=ref_leaves[2],
+            class_weight=None if cw is None else cw.double(),
+            ignore_index=-100,
+            token_weight=None if tw is None else tw.double(),
+            prob=False,
+            **kw,
         )
         ref = [loss, *_grads(loss, ref_leaves, None if up is None else up.double())]
         case = f"{where}{index}={value} ignored={ignore_poisoned}"
@@ -112,6 +129,7 @@ def test_non_finite_inputs_propagate_like_the_plain_expression(extras, reduction
 
 
 # ---------------------------------------------------------------- edge cases
+
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("batch", [(0,), (0, 3), (2, 0)])
@@ -158,8 +176,9 @@ def test_single_class(reduction, smoothing):
     W = torch.randn(1, 3, dtype=torch.float64, requires_grad=True)
     b = torch.randn(1, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([0, 0, -100, 0, 0])
-    got = linear_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction=reduction,
-                                         label_smoothing=smoothing)
+    got = linear_ce.linear_cross_entropy(
+        x, W, t, linear_bias=b, reduction=reduction, label_smoothing=smoothing
+    )
     ref = F.cross_entropy(F.linear(x, W, b), t, reduction=reduction, label_smoothing=smoothing)
     assert torch.equal(got, ref) and not got.any()
     for g in _grads(got, [x, W, b]):
@@ -180,11 +199,15 @@ def test_tied_embeddings(reduction):
     ids = torch.randint(0, 11, (9,))
     t = torch.randint(0, 11, (9,))
     hidden = torch.tanh(emb(ids))
-    loss = linear_ce.linear_cross_entropy(hidden, emb.weight, t, reduction=reduction, options=CHUNK2)
+    loss = linear_ce.linear_cross_entropy(
+        hidden, emb.weight, t, reduction=reduction, options=CHUNK2
+    )
     loss.sum().backward()
     got = emb.weight.grad.clone()
     emb.weight.grad = None
-    F.cross_entropy(F.linear(torch.tanh(emb(ids)), emb.weight), t, reduction=reduction).sum().backward()
+    F.cross_entropy(
+        F.linear(torch.tanh(emb(ids)), emb.weight), t, reduction=reduction
+    ).sum().backward()
     assert rel_err(got, emb.weight.grad) <= 3 * eps(torch.float64)
 
 
@@ -194,7 +217,7 @@ def test_non_contiguous_arguments(reduction, layout):
     """A weight that is a ``.t()`` view of an (F, V) leaf, strided slices, a transposed input."""
     g = torch.Generator().manual_seed(2)
     base_w = torch.randn(6, 13, dtype=torch.float64, generator=g, requires_grad=True)  # (F, V)
-    base_x = torch.randn(6, 9, dtype=torch.float64, generator=g, requires_grad=True)   # (F, N)
+    base_x = torch.randn(6, 9, dtype=torch.float64, generator=g, requires_grad=True)  # (F, N)
     wide_w = torch.randn(13, 12, dtype=torch.float64, generator=g, requires_grad=True)
     wide_x = torch.randn(9, 12, dtype=torch.float64, generator=g, requires_grad=True)
     t = torch.randint(0, 13, (9,), generator=g)
@@ -213,8 +236,9 @@ def test_non_contiguous_arguments(reduction, layout):
     loss = linear_ce.linear_cross_entropy(x, W, t, reduction=reduction, options=CHUNK2)
     got = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
     x, W = views()
-    ref = torch.autograd.grad(F.cross_entropy(F.linear(x, W), t, reduction=reduction).sum(), leaves,
-                              allow_unused=True)
+    ref = torch.autograd.grad(
+        F.cross_entropy(F.linear(x, W), t, reduction=reduction).sum(), leaves, allow_unused=True
+    )
     for a, r in zip(got, ref, strict=True):
         assert (a is None) == (r is None)
         if a is not None:
@@ -262,8 +286,11 @@ def test_cpu_autocast_runs_in_the_dtype_it_is_given():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_ce.linear_cross_entropy(x, W, t)
         loss_bf16 = linear_ce.linear_cross_entropy(x.bfloat16(), W.bfloat16(), t)
-        with pytest.raises(ValueError, match=r"linear_weight dtype torch.float32 differs from "
-                                             r"input dtype torch.bfloat16.*not autocast"):
+        with pytest.raises(
+            ValueError,
+            match=r"linear_weight dtype torch.float32 differs from "
+            r"input dtype torch.bfloat16.*not autocast",
+        ):
             linear_ce.linear_cross_entropy(x.bfloat16(), W, t)
     assert loss.dtype == torch.float32 and loss_bf16.dtype == torch.bfloat16
     assert rel_err(loss, ref_loss) <= 3 * eps(torch.float32)
@@ -274,6 +301,7 @@ def test_cpu_autocast_runs_in_the_dtype_it_is_given():
 
 
 # ---------------------------------------------------------------- no mutation, determinism
+
 
 def _full_call(reduction, prob, seed=4):
     g = torch.Generator().manual_seed(seed)
@@ -298,8 +326,16 @@ def test_arguments_are_not_mutated(reduction, prob):
     before = [a.detach().clone() for a in args]
     versions = [a._version for a in args]
     out = linear_ce.linear_cross_entropy(
-        args[0], args[1], args[3], linear_bias=args[2], weight=args[4], token_weight=args[5],
-        reduction=reduction, label_smoothing=0.1, z_loss=1e-3, options=CHUNK2,
+        args[0],
+        args[1],
+        args[3],
+        linear_bias=args[2],
+        weight=args[4],
+        token_weight=args[5],
+        reduction=reduction,
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        options=CHUNK2,
     )
     out.sum().backward()
     for a, b, v in zip(args, before, versions, strict=True):
@@ -315,8 +351,15 @@ def test_bitwise_deterministic(reduction, dtype):
         x, W, b, t, cw, tw = _full_call(reduction, False)
         leaves = [_leaf(v.to(dtype)) for v in (x, W, b)]
         loss = linear_ce.linear_cross_entropy(
-            *leaves[:2], t, linear_bias=leaves[2], weight=cw.to(dtype), token_weight=tw,
-            reduction=reduction, label_smoothing=0.1, z_loss=1e-3, softcap=5.0,
+            *leaves[:2],
+            t,
+            linear_bias=leaves[2],
+            weight=cw.to(dtype),
+            token_weight=tw,
+            reduction=reduction,
+            label_smoothing=0.1,
+            z_loss=1e-3,
+            softcap=5.0,
             options=LinearCrossEntropyOptions(batch_chunk_size=3),
         )
         results.append([loss, *_grads(loss, leaves)])

@@ -67,7 +67,9 @@ def _make(dtype, *, class_weight, ignore, bias, smoothing, extras, seed, scale=1
         tw[0, :3] = 0.0
         kwargs["token_weight"] = tw.to(dtype)
     return {
-        "x": x, "W": W, "target": target,
+        "x": x,
+        "W": W,
+        "target": target,
         "b": (torch.randn(CLASSES, generator=g) / 2).to(dtype) if bias else None,
         "weight": (torch.rand(CLASSES, generator=g) + 0.5).to(dtype) if class_weight else None,
         "ignore_index": IGNORE if ignore else None,
@@ -127,9 +129,18 @@ def _ours(case: dict, reduction: str, options=CHUNKED, **overrides):
     b = None if case["b"] is None else case["b"].detach().clone().requires_grad_()
     kwargs = {**case["extras"], **overrides}
     out = linear_ce.linear_cross_entropy(
-        x, W, case["target"], linear_bias=b, weight=case["weight"], reduction=reduction,
-        ignore_index=case["ignore_index"], label_smoothing=case["label_smoothing"],
-        options=options, return_z_loss=True, return_lse=True, **kwargs,
+        x,
+        W,
+        case["target"],
+        linear_bias=b,
+        weight=case["weight"],
+        reduction=reduction,
+        ignore_index=case["ignore_index"],
+        label_smoothing=case["label_smoothing"],
+        options=options,
+        return_z_loss=True,
+        return_lse=True,
+        **kwargs,
     )
     out.loss.backward(case["grad_output"] if reduction == "none" else None)
     return out.loss.detach(), out.z_loss, out.lse, [x.grad, W.grad, None if b is None else b.grad]
@@ -157,21 +168,39 @@ GRID = list(itertools.product(EXTRAS, REDUCTIONS, COMBINATIONS))
 @pytest.mark.parametrize(("extra", "reduction", "combination"), GRID)
 def test_extra_matches_float64_formula(extra, reduction, combination, dtype):
     class_weight, ignore, bias, smoothing = combination
-    case = _make(dtype, class_weight=class_weight, ignore=ignore, bias=bias, smoothing=smoothing,
-                 extras=EXTRAS[extra], seed=zlib.crc32(repr((extra, reduction, combination)).encode()))
+    case = _make(
+        dtype,
+        class_weight=class_weight,
+        ignore=ignore,
+        bias=bias,
+        smoothing=smoothing,
+        extras=EXTRAS[extra],
+        seed=zlib.crc32(repr((extra, reduction, combination)).encode()),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = _ours(case, reduction)
     assert got[0].dtype == dtype
-    _assert_close(got, _formula(case, reduction), _tolerance(dtype),
-                  f"{extra} {reduction} cw/ignore/bias/smoothing={combination}")
+    _assert_close(
+        got,
+        _formula(case, reduction),
+        _tolerance(dtype),
+        f"{extra} {reduction} cw/ignore/bias/smoothing={combination}",
+    )
 
 
 @pytest.mark.parametrize("extra", list(EXTRAS))
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_chunk_size_invariance_float64(extra, reduction):
-    case = _make(torch.float64, class_weight=True, ignore=True, bias=True, smoothing=True,
-                 extras=EXTRAS[extra], seed=zlib.crc32(extra.encode()))
+    case = _make(
+        torch.float64,
+        class_weight=True,
+        ignore=True,
+        bias=True,
+        smoothing=True,
+        extras=EXTRAS[extra],
+        seed=zlib.crc32(extra.encode()),
+    )
     ref = _formula(case, reduction)
     whole = _ours(case, reduction, LinearCrossEntropyOptions(batch_chunk_size=B * T))
     _assert_close(whole, ref, _tolerance(torch.float64), f"{extra}, one chunk")
@@ -182,8 +211,15 @@ def test_chunk_size_invariance_float64(extra, reduction):
 
 @pytest.mark.parametrize("shift", (1, 2, 3))
 def test_shift_by_k_positions(shift):
-    case = _make(torch.float64, class_weight=True, ignore=True, bias=False, smoothing=True,
-                 extras={"shift": shift, "z_loss": 0.1}, seed=shift)
+    case = _make(
+        torch.float64,
+        class_weight=True,
+        ignore=True,
+        bias=False,
+        smoothing=True,
+        extras={"shift": shift, "z_loss": 0.1},
+        seed=shift,
+    )
     for reduction in REDUCTIONS:
         got = _ours(case, reduction)
         _assert_close(got, _formula(case, reduction), _tolerance(torch.float64), f"shift={shift}")
@@ -194,32 +230,61 @@ def test_shift_by_k_positions(shift):
 @pytest.mark.parametrize("reduction", ("mean", "sum"))
 def test_token_weight_mean_denominator(reduction):
     """Token weights scale the rows; "mean" still divides by Σ w_t of unignored rows."""
-    case = _make(torch.float64, class_weight=True, ignore=True, bias=False, smoothing=False,
-                 extras={}, seed=7)
+    case = _make(
+        torch.float64,
+        class_weight=True,
+        ignore=True,
+        bias=False,
+        smoothing=False,
+        extras={},
+        seed=7,
+    )
     x, W, t, cw = case["x"], case["W"], case["target"], case["weight"]
     rows = linear_ce.linear_cross_entropy(x, W, t, weight=cw, reduction="none")
     tw = torch.rand(B, T, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    weighted = linear_ce.linear_cross_entropy(x, W, t, weight=cw, reduction=reduction,
-                                              token_weight=tw)
+    weighted = linear_ce.linear_cross_entropy(
+        x, W, t, weight=cw, reduction=reduction, token_weight=tw
+    )
     valid = t != IGNORE
     denominator = cw[torch.where(valid, t, 0)][valid].sum() if reduction == "mean" else 1.0
     assert rel_err(weighted, (tw * rows).sum() / denominator) <= _tolerance(torch.float64)
-    doubled = linear_ce.linear_cross_entropy(x, W, t, weight=cw, reduction=reduction,
-                                             token_weight=torch.full((B, T), 2.0, dtype=torch.float64))
+    doubled = linear_ce.linear_cross_entropy(
+        x,
+        W,
+        t,
+        weight=cw,
+        reduction=reduction,
+        token_weight=torch.full((B, T), 2.0, dtype=torch.float64),
+    )
     plain = linear_ce.linear_cross_entropy(x, W, t, weight=cw, reduction=reduction)
     assert rel_err(doubled, 2 * plain) <= _tolerance(torch.float64)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_lse_and_z_loss_outputs_are_detached_values(reduction):
-    case = _make(torch.float32, class_weight=True, ignore=True, bias=True, smoothing=True,
-                 extras=EXTRAS["all"], seed=9)
+    case = _make(
+        torch.float32,
+        class_weight=True,
+        ignore=True,
+        bias=True,
+        smoothing=True,
+        extras=EXTRAS["all"],
+        seed=9,
+    )
     x = case["x"].clone().requires_grad_()
     W = case["W"].clone().requires_grad_()
     b = case["b"].clone().requires_grad_()
     out = linear_ce.linear_cross_entropy(
-        x, W, case["target"], linear_bias=b, weight=case["weight"], reduction=reduction,
-        label_smoothing=0.1, return_z_loss=True, return_lse=True, **case["extras"],
+        x,
+        W,
+        case["target"],
+        linear_bias=b,
+        weight=case["weight"],
+        reduction=reduction,
+        label_smoothing=0.1,
+        return_z_loss=True,
+        return_lse=True,
+        **case["extras"],
     )
     assert out.loss.requires_grad
     assert not out.z_loss.requires_grad and out.z_loss.grad_fn is None
@@ -229,8 +294,15 @@ def test_lse_and_z_loss_outputs_are_detached_values(reduction):
     assert rel_err(out.lse, lse_ref) <= 3 * eps(torch.float32)
     assert rel_err(out.z_loss, z_ref) <= 3 * eps(torch.float32)
     only_loss = linear_ce.linear_cross_entropy(
-        x, W, case["target"], linear_bias=b, weight=case["weight"], reduction=reduction,
-        label_smoothing=0.1, return_lse=True, **case["extras"],
+        x,
+        W,
+        case["target"],
+        linear_bias=b,
+        weight=case["weight"],
+        reduction=reduction,
+        label_smoothing=0.1,
+        return_lse=True,
+        **case["extras"],
     )
     assert only_loss.z_loss is None and only_loss.lse is not None
     assert torch.equal(only_loss.loss, out.loss)
@@ -240,8 +312,15 @@ def test_lse_and_z_loss_outputs_are_detached_values(reduction):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_softcap_with_huge_logits_stays_finite(dtype, reduction):
     """Rows scaled by 1e4 saturate the tanh (zero gradient there); the rest still train."""
-    case = _make(dtype, class_weight=True, ignore=True, bias=True, smoothing=True,
-                 extras={"softcap": 30.0, "z_loss": 1e-3}, seed=10)
+    case = _make(
+        dtype,
+        class_weight=True,
+        ignore=True,
+        bias=True,
+        smoothing=True,
+        extras={"softcap": 30.0, "z_loss": 1e-3},
+        seed=10,
+    )
     case["x"][:, ::2] *= 10_000
     got = _ours(case, reduction)
     assert torch.isfinite(got[0]).all()
@@ -252,7 +331,9 @@ def test_softcap_with_huge_logits_stays_finite(dtype, reduction):
         # relative 2·1e-3/c: no float32 evaluation does better (the guide's rule: at
         # most twice the error of the plain expression in the same dtype).
         plain = _formula(case, reduction, torch.float32)
-        plain_errors = [rel_err(g, r) for g, r in zip([plain[0], *plain[3]], [ref[0], *ref[3]], strict=True)]
+        plain_errors = [
+            rel_err(g, r) for g, r in zip([plain[0], *plain[3]], [ref[0], *ref[3]], strict=True)
+        ]
         tolerance = max(tolerance, 2 * max(plain_errors))
     _assert_close(got, ref, tolerance, f"softcap {dtype}")
 
@@ -266,8 +347,9 @@ def test_z_loss_fp16_large_vocabulary_stays_finite(reduction):
     t = torch.randint(0, vocab, (rows,), generator=g)
     t[2] = IGNORE
     xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
-    out = linear_ce.linear_cross_entropy(xs, Ws, t, reduction=reduction, z_loss=1e-4,
-                                         return_z_loss=True)
+    out = linear_ce.linear_cross_entropy(
+        xs, Ws, t, reduction=reduction, z_loss=1e-4, return_z_loss=True
+    )
     upstream = torch.ones(rows, dtype=torch.float16) if reduction == "none" else None
     out.loss.backward(upstream)
     for value in (out.loss, out.z_loss, xs.grad, Ws.grad):
@@ -293,16 +375,34 @@ def test_z_loss_fp16_large_vocabulary_stays_finite(reduction):
 
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 def test_torch_compile_fullgraph_with_every_extra(reduction):
-    case = _make(torch.float32, class_weight=True, ignore=True, bias=True, smoothing=True,
-                 extras=EXTRAS["all"], seed=12)
+    case = _make(
+        torch.float32,
+        class_weight=True,
+        ignore=True,
+        bias=True,
+        smoothing=True,
+        extras=EXTRAS["all"],
+        seed=12,
+    )
     # allow_retain_graph=True is what compile would promote the default to (with a warning)
     options = LinearCrossEntropyOptions(allow_retain_graph=True, batch_chunk_size=5)
 
     def loss_fn(x, W, b, target, cw, tw):
         return linear_ce.linear_cross_entropy(
-            x, W, target, linear_bias=b, weight=cw, reduction=reduction, label_smoothing=0.1,
-            options=options, z_loss=0.1, return_z_loss=True, return_lse=True, softcap=2.0,
-            shift=True, token_weight=tw,
+            x,
+            W,
+            target,
+            linear_bias=b,
+            weight=cw,
+            reduction=reduction,
+            label_smoothing=0.1,
+            options=options,
+            z_loss=0.1,
+            return_z_loss=True,
+            return_lse=True,
+            softcap=2.0,
+            shift=True,
+            token_weight=tw,
         )
 
     compiled = torch.compile(loss_fn, fullgraph=True)
@@ -318,14 +418,27 @@ def test_torch_compile_fullgraph_with_every_extra(reduction):
 
 
 def test_module_passes_extras():
-    case = _make(torch.float64, class_weight=False, ignore=True, bias=False, smoothing=False,
-                 extras={"z_loss": 0.1, "softcap": 2.0, "shift": True, "token_weight": True}, seed=13)
-    module = linear_ce.LinearCrossEntropyLoss(FEATURES, CLASSES, dtype=torch.float64, z_loss=0.1,
-                                              softcap=2.0)
+    case = _make(
+        torch.float64,
+        class_weight=False,
+        ignore=True,
+        bias=False,
+        smoothing=False,
+        extras={"z_loss": 0.1, "softcap": 2.0, "shift": True, "token_weight": True},
+        seed=13,
+    )
+    module = linear_ce.LinearCrossEntropyLoss(
+        FEATURES, CLASSES, dtype=torch.float64, z_loss=0.1, softcap=2.0
+    )
     with torch.no_grad():
         module.weight.copy_(case["W"])
-    out = module(case["x"], case["target"], shift=True,
-                 token_weight=case["extras"]["token_weight"], return_lse=True)
+    out = module(
+        case["x"],
+        case["target"],
+        shift=True,
+        token_weight=case["extras"]["token_weight"],
+        return_lse=True,
+    )
     loss, _, lse, _ = _formula(case, "mean")
     assert rel_err(out.loss, loss) <= _tolerance(torch.float64)
     assert rel_err(out.lse, lse) <= _tolerance(torch.float64)

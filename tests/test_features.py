@@ -39,8 +39,9 @@ def _dyadic(t: torch.Tensor, scale: int) -> torch.Tensor:
     return torch.round(t * 4) / scale
 
 
-def _make(feature: str, dtype: torch.dtype, *, class_weight: bool, ignore: bool, bias: bool,
-          seed: int) -> dict:
+def _make(
+    feature: str, dtype: torch.dtype, *, class_weight: bool, ignore: bool, bias: bool, seed: int
+) -> dict:
     """Random inputs for one case: leaves in ``dtype``, targets, and how to view the logits."""
     g = torch.Generator().manual_seed(seed)
     batch = {"leading": (3, 7), "kdim": (13,), "kdim_prob": (11,)}.get(feature, (23,))
@@ -63,9 +64,17 @@ def _make(feature: str, dtype: torch.dtype, *, class_weight: bool, ignore: bool,
     cw = (torch.rand(num_classes, generator=g) + 0.5).to(dtype) if class_weight else None
     smoothing = {"smoothing": 0.1, "prob_smoothing": 0.2, "kdim": 0.05}.get(feature, 0.0)
     return {
-        "x": x, "W": W, "b": b, "target": target, "weight": cw, "label_smoothing": smoothing,
-        "ignore_index": IGNORE if ignore and not prob else None, "prob": prob,
-        "out_features": out_features, "num_classes": num_classes, "loss_shape": loss_shape,
+        "x": x,
+        "W": W,
+        "b": b,
+        "target": target,
+        "weight": cw,
+        "label_smoothing": smoothing,
+        "ignore_index": IGNORE if ignore and not prob else None,
+        "prob": prob,
+        "out_features": out_features,
+        "num_classes": num_classes,
+        "loss_shape": loss_shape,
         "grad_output": torch.randn(loss_shape, generator=g).to(dtype),
     }
 
@@ -100,9 +109,16 @@ def _ours(case: dict, reduction: str, options=CHUNKED, **extra) -> tuple[torch.T
     W = case["W"].detach().clone().requires_grad_()
     b = None if case["b"] is None else case["b"].detach().clone().requires_grad_()
     loss = linear_ce.linear_cross_entropy(
-        x, W, case["target"], linear_bias=b, weight=case["weight"], reduction=reduction,
-        ignore_index=case["ignore_index"], label_smoothing=case["label_smoothing"],
-        options=options, **extra,
+        x,
+        W,
+        case["target"],
+        linear_bias=b,
+        weight=case["weight"],
+        reduction=reduction,
+        ignore_index=case["ignore_index"],
+        label_smoothing=case["label_smoothing"],
+        options=options,
+        **extra,
     )
     loss.backward(case["grad_output"] if reduction == "none" else None)
     return loss.detach(), [x.grad, W.grad, None if b is None else b.grad]
@@ -133,23 +149,40 @@ GRID = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("feature", "reduction", "class_weight", "ignore", "bias"), GRID)
-def test_feature_matches_float64_plain_expression(feature, reduction, class_weight, ignore, bias,
-                                                 dtype):
-    case = _make(feature, dtype, class_weight=class_weight, ignore=ignore, bias=bias,
-                 seed=zlib.crc32(repr((feature, reduction, class_weight, ignore, bias)).encode()))
+def test_feature_matches_float64_plain_expression(
+    feature, reduction, class_weight, ignore, bias, dtype
+):
+    case = _make(
+        feature,
+        dtype,
+        class_weight=class_weight,
+        ignore=ignore,
+        bias=bias,
+        seed=zlib.crc32(repr((feature, reduction, class_weight, ignore, bias)).encode()),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning, nor any other
         got = _ours(case, reduction)
     assert got[0].dtype == dtype
-    _assert_close(got, _plain64(case, reduction), _tolerance(dtype),
-                  f"{feature} {reduction} cw={class_weight} ignore={ignore} bias={bias}")
+    _assert_close(
+        got,
+        _plain64(case, reduction),
+        _tolerance(dtype),
+        f"{feature} {reduction} cw={class_weight} ignore={ignore} bias={bias}",
+    )
 
 
 @pytest.mark.parametrize("feature", ("smoothing", "prob", "prob_smoothing", "kdim", "kdim_prob"))
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_chunk_size_invariance_float64(feature, reduction):
-    case = _make(feature, torch.float64, class_weight=True, ignore="prob" not in feature,
-                 bias=True, seed=zlib.crc32(feature.encode()))
+    case = _make(
+        feature,
+        torch.float64,
+        class_weight=True,
+        ignore="prob" not in feature,
+        bias=True,
+        seed=zlib.crc32(feature.encode()),
+    )
     rows = case["x"].shape[0]
     whole = _ours(case, reduction, LinearCrossEntropyOptions(batch_chunk_size=rows))
     ref = _plain64(case, reduction)
@@ -167,8 +200,9 @@ def test_batch_time_input_keeps_its_shape(reduction):
     W = torch.randn(11, 8, generator=g, requires_grad=True)
     t = torch.randint(0, 11, (2, 3, 5), generator=g)
     loss = linear_ce.linear_cross_entropy(x, W, t, reduction=reduction)
-    ref = F.cross_entropy(F.linear(x.double(), W.double()).view(-1, 11), t.view(-1),
-                          reduction=reduction)
+    ref = F.cross_entropy(
+        F.linear(x.double(), W.double()).view(-1, 11), t.view(-1), reduction=reduction
+    )
     if reduction == "none":
         assert loss.shape == (2, 3, 5)
         ref = ref.view(2, 3, 5)
@@ -181,8 +215,17 @@ def test_batch_time_input_is_not_copied():
     x = torch.randn(2, 6, 8)
     t = torch.randint(0, 11, (2, 6))
     for shift in (False, True):
-        call = check_call(x, torch.randn(11, 8), t, linear_bias=None, weight=None,
-                          reduction="mean", ignore_index=None, label_smoothing=0.0, shift=shift)
+        call = check_call(
+            x,
+            torch.randn(11, 8),
+            t,
+            linear_bias=None,
+            weight=None,
+            reduction="mean",
+            ignore_index=None,
+            label_smoothing=0.0,
+            shift=shift,
+        )
         assert call.input.data_ptr() == x.data_ptr()
         assert call.input.shape == (12, 8)
 
@@ -193,7 +236,11 @@ def test_one_dimensional_input_like_torch(reduction, prob):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
     W = torch.randn(11, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    t = torch.softmax(torch.randn(11, generator=g, dtype=torch.float64), 0) if prob else torch.tensor(4)
+    t = (
+        torch.softmax(torch.randn(11, generator=g, dtype=torch.float64), 0)
+        if prob
+        else torch.tensor(4)
+    )
     loss = linear_ce.linear_cross_entropy(x, W, t, reduction=reduction, label_smoothing=0.1)
     x64, W64 = x.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
     ref = F.cross_entropy(F.linear(x64, W64), t, reduction=reduction, label_smoothing=0.1)
@@ -222,10 +269,15 @@ def test_non_contiguous_input_view(view, reduction):
     W_ref = W.detach().clone().requires_grad_()
     assert not pick(base).is_contiguous()
     t = torch.randint(0, 13, pick(base).shape[:-1], generator=g)
-    loss = linear_ce.linear_cross_entropy(pick(base), W, t, reduction=reduction,
-                                          label_smoothing=0.1, options=CHUNKED)
-    ref = F.cross_entropy(F.linear(pick(base_ref), W_ref).reshape(-1, 13), t.reshape(-1),
-                          reduction=reduction, label_smoothing=0.1)
+    loss = linear_ce.linear_cross_entropy(
+        pick(base), W, t, reduction=reduction, label_smoothing=0.1, options=CHUNKED
+    )
+    ref = F.cross_entropy(
+        F.linear(pick(base_ref), W_ref).reshape(-1, 13),
+        t.reshape(-1),
+        reduction=reduction,
+        label_smoothing=0.1,
+    )
     upstream = None
     if reduction == "none":
         ref = ref.view(t.shape)
@@ -251,8 +303,9 @@ def test_int32_targets_equal_int64(reduction):
 @pytest.mark.parametrize("feature", FEATURES)
 def test_no_warning_with_default_options(feature):
     """Default options (``options=None``) and the module: chunked, silent, correct."""
-    case = _make(feature, torch.float32, class_weight=True, ignore="prob" not in feature,
-                 bias=False, seed=5)
+    case = _make(
+        feature, torch.float32, class_weight=True, ignore="prob" not in feature, bias=False, seed=5
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = _ours(case, "mean", options=None)
@@ -261,12 +314,21 @@ def test_no_warning_with_default_options(feature):
 
 _UNSUPPORTED = {
     "probability target that requires grad": (
-        lambda x, W, probs, labels: {"target": probs.requires_grad_()}, "requires grad"),
+        lambda x, W, probs, labels: {"target": probs.requires_grad_()},
+        "requires grad",
+    ),
     "ignore_index with probability targets": (
-        lambda x, W, probs, labels: {"target": probs, "ignore_index": 0}, "ignore_index"),
+        lambda x, W, probs, labels: {"target": probs, "ignore_index": 0},
+        "ignore_index",
+    ),
     "shift with a K-dimensional loss": (
-        lambda x, W, probs, labels: {"linear_weight": torch.randn(11, 2, 8), "shift": True,
-                                     "target": torch.zeros(4, 2, dtype=torch.long)}, "shift"),
+        lambda x, W, probs, labels: {
+            "linear_weight": torch.randn(11, 2, 8),
+            "shift": True,
+            "target": torch.zeros(4, 2, dtype=torch.long),
+        },
+        "shift",
+    ),
 }
 
 

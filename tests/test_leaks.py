@@ -94,8 +94,9 @@ def test_many_calls_do_not_grow_rss():
     x, W, b, t = _inputs()
 
     def step(i):
-        loss = linear_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction=REDUCTIONS[i % 3],
-                                              z_loss=1e-4, label_smoothing=0.1)
+        loss = linear_ce.linear_cross_entropy(
+            x, W, t, linear_bias=b, reduction=REDUCTIONS[i % 3], z_loss=1e-4, label_smoothing=0.1
+        )
         loss.sum().backward()
         x.grad = W.grad = b.grad = None
 

@@ -36,8 +36,21 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 HALF = (torch.bfloat16, torch.float16)
 
 
-def plain_expression(x, W, target, *, b, class_weight, reduction, ignore_index, label_smoothing,
-                     z_loss, softcap, token_weight, prob):
+def plain_expression(
+    x,
+    W,
+    target,
+    *,
+    b,
+    class_weight,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    token_weight,
+    prob,
+):
     """The definition, with full logits; returns ``(loss, z_loss term, lse per row)``.
 
     Like ``F.cross_entropy``, "mean" over zero total weight is NaN with zero gradients
@@ -106,7 +119,9 @@ def calls(draw, dtypes=DTYPES):
             target = target.to(torch.int32)
     class_weight = None
     if draw(st.booleans()):
-        class_weight = (torch.rand(classes, generator=g) + draw(st.sampled_from([0.0, 0.5]))).to(dtype)
+        class_weight = (torch.rand(classes, generator=g) + draw(st.sampled_from([0.0, 0.5]))).to(
+            dtype
+        )
     token_weight = torch.rand(rows, generator=g).to(dtype) if draw(st.booleans()) else None
     kwargs = {
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
@@ -115,7 +130,8 @@ def calls(draw, dtypes=DTYPES):
         # the whole result and a fused (A + 2ζ·lse)·p − a loses its relative precision.
         "z_loss": draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1])) if classes > 1 else 0.0,
         "softcap": draw(st.sampled_from([None, None, 0.5, 5.0])),
-        "ignore_index": None if prob or (ignore_index == -100 and draw(st.booleans()))
+        "ignore_index": None
+        if prob or (ignore_index == -100 and draw(st.booleans()))
         else ignore_index,
     }
     rule = draw(st.sampled_from(["size", "size", "method"]))
@@ -137,9 +153,19 @@ def calls(draw, dtypes=DTYPES):
         "b": draw(st.booleans()),
     }
     return {
-        "dtype": dtype, "x": x, "W": W, "b": b, "target": target, "class_weight": class_weight,
-        "token_weight": token_weight, "prob": prob, "shift": shift, "kwargs": kwargs,
-        "options": options, "needs": needs, "upstream": draw(st.sampled_from([1.0, 0.75, -2.0])),
+        "dtype": dtype,
+        "x": x,
+        "W": W,
+        "b": b,
+        "target": target,
+        "class_weight": class_weight,
+        "token_weight": token_weight,
+        "prob": prob,
+        "shift": shift,
+        "kwargs": kwargs,
+        "options": options,
+        "needs": needs,
+        "upstream": draw(st.sampled_from([1.0, 0.75, -2.0])),
         "grad_rows": torch.randn(rows, generator=g).to(dtype),
     }
 
@@ -172,10 +198,16 @@ def _run_plain(case, dtype):
         if case["shift"]:
             target = _shifted(target, case["shift"], ignore_index)
     loss, z_term, lse = plain_expression(
-        x, W, target, b=b,
+        x,
+        W,
+        target,
+        b=b,
         class_weight=None if case["class_weight"] is None else case["class_weight"].to(dtype),
-        reduction=kw["reduction"], ignore_index=ignore_index,
-        label_smoothing=kw["label_smoothing"], z_loss=kw["z_loss"], softcap=kw["softcap"],
+        reduction=kw["reduction"],
+        ignore_index=ignore_index,
+        label_smoothing=kw["label_smoothing"],
+        z_loss=kw["z_loss"],
+        softcap=kw["softcap"],
         token_weight=None if case["token_weight"] is None else case["token_weight"].to(dtype),
         prob=case["prob"],
     )
@@ -198,12 +230,18 @@ def _run_chunked(case):
     dtype = case["dtype"]
     x, W, b = _leaves(case, dtype)
     out = linear_ce.linear_cross_entropy(
-        x.unsqueeze(0) if case["shift"] else x, W, case["target"].unsqueeze(0)
-        if case["shift"] else case["target"],
-        linear_bias=b, weight=case["class_weight"], token_weight=None
-        if case["token_weight"] is None else (case["token_weight"].unsqueeze(0)
-                                             if case["shift"] else case["token_weight"]),
-        shift=case["shift"], options=case["options"], return_lse=True, return_z_loss=True,
+        x.unsqueeze(0) if case["shift"] else x,
+        W,
+        case["target"].unsqueeze(0) if case["shift"] else case["target"],
+        linear_bias=b,
+        weight=case["class_weight"],
+        token_weight=None
+        if case["token_weight"] is None
+        else (case["token_weight"].unsqueeze(0) if case["shift"] else case["token_weight"]),
+        shift=case["shift"],
+        options=case["options"],
+        return_lse=True,
+        return_z_loss=True,
         **case["kwargs"],
     )
     loss = out.loss.squeeze(0) if case["shift"] and out.loss.dim() else out.loss
@@ -247,7 +285,11 @@ def _truth(case):
     peak = s.max(axis=1, keepdims=True)
     lse = peak[:, 0] + np.log(np.exp(s - peak).sum(axis=1))
     p = np.exp(s - lse[:, None])
-    w = np.ones(classes, np.longdouble) if case["class_weight"] is None else _ld(case["class_weight"])
+    w = (
+        np.ones(classes, np.longdouble)
+        if case["class_weight"] is None
+        else _ld(case["class_weight"])
+    )
     smooth = kw["label_smoothing"]
     if case["prob"]:
         a = ((1 - smooth) * _ld(case["target"]) + smooth / classes) * w
@@ -265,7 +307,9 @@ def _truth(case):
         a += (smooth / classes) * w[None, :] * valid[:, None]
         omega = valid * w[safe]
     z = kw["z_loss"]
-    tau = np.ones(rows, np.longdouble) if case["token_weight"] is None else _ld(case["token_weight"])
+    tau = (
+        np.ones(rows, np.longdouble) if case["token_weight"] is None else _ld(case["token_weight"])
+    )
     z_rows = z * omega * lse**2 * tau
     loss_rows = (a * (lse[:, None] - s)).sum(axis=1) * tau + z_rows
     reduction = kw["reduction"]
@@ -277,7 +321,11 @@ def _truth(case):
         loss, z_term, r = np.longdouble("nan"), np.longdouble("nan"), 0 * tau
     else:
         total = omega.sum()
-        loss, z_term, r = loss_rows.sum() / total, z_rows.sum() / total, case["upstream"] * tau / total
+        loss, z_term, r = (
+            loss_rows.sum() / total,
+            z_rows.sum() / total,
+            case["upstream"] * tau / total,
+        )
     G = r[:, None] * ((a.sum(axis=1) + 2 * z * omega * lse)[:, None] * p - a) * dcap
     truth = (loss, z_term, lse, [G @ W, G.T @ x, G.sum(axis=0)])
 
@@ -296,8 +344,7 @@ def _truth(case):
     norm = 1 if reduction != "mean" or omega.sum() == 0 else 1 / abs(omega.sum())
     if reduction != "none":
         loss_mag, z_mag = loss_mag.sum() * norm, z_mag.sum() * norm
-    mags = (loss_mag, z_mag, lse_mag,
-            [G_mag @ np.abs(W), G_mag.T @ np.abs(x), G_mag.sum(axis=0)])
+    mags = (loss_mag, z_mag, lse_mag, [G_mag @ np.abs(W), G_mag.T @ np.abs(x), G_mag.sum(axis=0)])
     return truth, mags
 
 
@@ -364,14 +411,29 @@ def test_matches_float64_plain_expression(case):
     assert lse.dtype == z_term.dtype == acc
     same_acc = _run_plain(case, acc) if acc != dtype else same
     _check("lse", lse, plain64[2], truth[2], mags[2], rounding, same_acc[2], rounding)
-    _check("z_loss", z_term, plain64[1].reshape(z_term.shape), truth[1], mags[1], rounding,
-           same_acc[1].reshape(z_term.shape), rounding)
+    _check(
+        "z_loss",
+        z_term,
+        plain64[1].reshape(z_term.shape),
+        truth[1],
+        mags[1],
+        rounding,
+        same_acc[1].reshape(z_term.shape),
+        rounding,
+    )
 
 
 def _logits_rounding(case, acc):
     """The dtype the logits are rounded to: the accumulation dtype, or the half input
     dtype itself where the plan uses native half GEMMs (CPUs with AVX512-BF16/AMX)."""
     x, W = case["x"], case["W"]
-    plan = make_plan(x.shape[0], x.shape[1], W.shape[0], x.dtype, x.device, case["options"],
-                     softcap=case["kwargs"]["softcap"] is not None)
+    plan = make_plan(
+        x.shape[0],
+        x.shape[1],
+        W.shape[0],
+        x.dtype,
+        x.device,
+        case["options"],
+        softcap=case["kwargs"]["softcap"] is not None,
+    )
     return case["dtype"] if isinstance(plan.gemm, NativeHalf) else acc

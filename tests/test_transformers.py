@@ -26,10 +26,14 @@ FAMILY_CONFIG = {
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": ("Qwen3Config", {}),
     "GemmaForCausalLM": ("GemmaConfig", {"head_dim": 8}),
-    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 3.0,
-                                           "sliding_window": 4}),
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": 8, "final_logit_softcapping": 3.0,
-                                               "sliding_window": 4}),
+    "Gemma2ForCausalLM": (
+        "Gemma2Config",
+        {"head_dim": 8, "final_logit_softcapping": 3.0, "sliding_window": 4},
+    ),
+    "Gemma3ForCausalLM": (
+        "Gemma3TextConfig",
+        {"head_dim": 8, "final_logit_softcapping": 3.0, "sliding_window": 4},
+    ),
     "Phi3ForCausalLM": ("Phi3Config", {}),
     "PhiForCausalLM": ("PhiConfig", {}),
     "Olmo2ForCausalLM": ("Olmo2Config", {}),
@@ -43,9 +47,17 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A 2-layer random model of ``name`` whose logits are large enough for a softcap of 3 to matter."""
     config_name, extra = FAMILY_CONFIG[name]
     config = getattr(transformers, config_name)(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**extra, **overrides},
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **{**extra, **overrides},
     )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -94,8 +106,12 @@ def test_loss_and_every_gradient_match_the_model(name):
     ref_grads = grads(model)
     if lce_hf.SUPPORTED_MODELS[name]:
         assert ref.logits.abs().max() > 0.9 * model.config.final_logit_softcapping
-    assert ref_grads["lm_head.weight" if "lm_head.weight" in ref_grads
-                     else "model.embed_tokens.weight"].norm() > 0
+    assert (
+        ref_grads[
+            "lm_head.weight" if "lm_head.weight" in ref_grads else "model.embed_tokens.weight"
+        ].norm()
+        > 0
+    )
 
     lce_hf.patch(model)
     out = model(input_ids=ids, labels=labels)
@@ -160,8 +176,10 @@ def test_shift_labels_ignore_index_and_tuple_output_match_the_model():
         else:
             assert out.logits is None
             if "output_hidden_states" in kwargs:
-                assert all(torch.equal(a, b) for a, b in
-                           zip(out.hidden_states, ref.hidden_states, strict=True))
+                assert all(
+                    torch.equal(a, b)
+                    for a, b in zip(out.hidden_states, ref.hidden_states, strict=True)
+                )
         assert rel_err(out[0].detach(), ref[0].detach()) <= 1e-5
 
 
@@ -266,8 +284,9 @@ def test_compiled_patched_model_matches_the_model():
 
 
 def test_unsupported_models_are_refused_with_the_supported_list():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    )
     with pytest.raises(TypeError, match=r"GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
         lce_hf.patch(gpt2)
     with pytest.raises(TypeError, match="is not supported"):
@@ -335,11 +354,16 @@ _MEMORY_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_training_step_never_allocates_the_logits():
     result = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
     peak, no_logits = map(int, result.stdout.split()[-2:])
     logits_bytes = 8 * 256 * 50_000 * 4
     assert no_logits == 1
-    assert peak < 0.25 * logits_bytes, f"peak {peak / 1e6:.1f} MB vs logits {logits_bytes / 1e6:.0f} MB"
+    assert peak < 0.25 * logits_bytes, (
+        f"peak {peak / 1e6:.1f} MB vs logits {logits_bytes / 1e6:.0f} MB"
+    )

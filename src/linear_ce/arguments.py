@@ -87,7 +87,11 @@ def check_call(
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, torch.Tensor):
             _fail(f"{name} must be a Tensor, got {type(value).__name__}")
-    for name, value in (("linear_bias", linear_bias), ("weight", weight), ("token_weight", token_weight)):
+    for name, value in (
+        ("linear_bias", linear_bias),
+        ("weight", weight),
+        ("token_weight", token_weight),
+    ):
         if value is not None and not isinstance(value, torch.Tensor):
             _fail(f"{name} must be a Tensor or None, got {type(value).__name__}")
     if reduction not in REDUCTIONS:
@@ -97,16 +101,20 @@ def check_call(
     if not 0.0 <= label_smoothing <= 1.0:
         _fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if (
-        isinstance(z_loss, bool) or not isinstance(z_loss, (int, float))
+        isinstance(z_loss, bool)
+        or not isinstance(z_loss, (int, float))
         or not 0.0 <= z_loss < math.inf
     ):
         _fail(f"z_loss must be a finite float >= 0, got {z_loss!r}")
     if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
         or not 0.0 < softcap < math.inf
     ):
         _fail(f"softcap must be None or a finite float > 0, got {softcap!r}")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
         _fail(f"ignore_index must be an int or None, got {ignore_index!r}")
     if isinstance(shift, bool):
         shift = int(shift)
@@ -114,7 +122,9 @@ def check_call(
         _fail(f"shift must be a bool or an int >= 0, got {shift!r}")
 
     if input.dtype not in _FLOAT_DTYPES:
-        _fail(f"input must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}")
+        _fail(
+            f"input must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}"
+        )
     if linear_weight.dtype != input.dtype:
         # autocast does not cast our arguments (the op runs in the dtype it is given),
         # so a bf16 hidden state meeting an fp32 lm_head under autocast lands here.
@@ -151,7 +161,11 @@ def check_call(
     logits_shape = (*batch_shape, num_classes, *out_features)
 
     tensors = {"input": input, "linear_weight": linear_weight, "target": target}
-    for name, value in (("linear_bias", linear_bias), ("weight", weight), ("token_weight", token_weight)):
+    for name, value in (
+        ("linear_bias", linear_bias),
+        ("weight", weight),
+        ("token_weight", token_weight),
+    ):
         if value is not None:
             tensors[name] = value
     devices = {name: value.device for name, value in tensors.items()}
@@ -177,17 +191,19 @@ def check_call(
     probability_target = target.is_floating_point() and tuple(target.shape) == logits_shape
     if probability_target:
         if target.dtype != input.dtype:
-            _fail(
-                f"probability target dtype {target.dtype} differs from input dtype {input.dtype}"
-            )
+            _fail(f"probability target dtype {target.dtype} differs from input dtype {input.dtype}")
         if ignore_index is not None:
-            _fail("ignore_index cannot be used with probability targets (target of shape "
-                  f"{logits_shape}); pass ignore_index=None")
+            _fail(
+                "ignore_index cannot be used with probability targets (target of shape "
+                f"{logits_shape}); pass ignore_index=None"
+            )
         if shift:
             _fail("shift needs class-index targets; shift probability targets yourself")
         if target.requires_grad:
-            _fail("a probability target that requires grad is not supported: the loss is "
-                  "not differentiated with respect to target; pass target.detach()")
+            _fail(
+                "a probability target that requires grad is not supported: the loss is "
+                "not differentiated with respect to target; pass target.detach()"
+            )
     else:
         expected = (*batch_shape, *out_features)
         if target.is_floating_point():
@@ -197,7 +213,9 @@ def check_call(
                 f"{tuple(target.shape)}; class-index targets must be integers of shape {expected}"
             )
         if target.dtype not in _INDEX_DTYPES:
-            _fail(f"class-index target must be an integer tensor (int64 or int32), got {target.dtype}")
+            _fail(
+                f"class-index target must be an integer tensor (int64 or int32), got {target.dtype}"
+            )
         if tuple(target.shape) != expected:
             _fail(
                 f"class-index target must have shape {expected} (input's batch shape "
@@ -206,18 +224,26 @@ def check_call(
 
     if weight is not None:
         if tuple(weight.shape) != (num_classes,):
-            _fail(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
+            _fail(
+                f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}"
+            )
         if weight.dtype != input.dtype:
-            _fail(f"weight (class weights) must have the input's dtype {input.dtype}, got {weight.dtype}")
+            _fail(
+                f"weight (class weights) must have the input's dtype {input.dtype}, got {weight.dtype}"
+            )
         if weight.requires_grad:
-            _fail("weight (class weights) that requires grad is not supported: the loss is not "
-                  "differentiated with respect to class weights; pass weight.detach()")
+            _fail(
+                "weight (class weights) that requires grad is not supported: the loss is not "
+                "differentiated with respect to class weights; pass weight.detach()"
+            )
 
     loss_shape = (*batch_shape, *out_features)
     if token_weight is not None:
         if tuple(token_weight.shape) != loss_shape:
-            _fail(f"token_weight must have the per-token loss shape {loss_shape}, got "
-                  f"{tuple(token_weight.shape)}")
+            _fail(
+                f"token_weight must have the per-token loss shape {loss_shape}, got "
+                f"{tuple(token_weight.shape)}"
+            )
         if not token_weight.is_floating_point():
             _fail(f"token_weight must be a floating tensor, got {token_weight.dtype}")
         if token_weight.requires_grad:

@@ -63,9 +63,13 @@ def run_chunks(
     lse_out = torch.zeros((rows, positions), dtype=acc, device=device)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = (
-        torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=device) if grad_weight else None
+        torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=device)
+        if grad_weight
+        else None
     )
-    grad_b = torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
+    grad_b = (
+        torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
+    )
 
     class_weight = terms.class_weight
     if class_weight is not None:
@@ -134,7 +138,9 @@ def run_chunks(
             r = terms.scale[start:stop, p]
             S.mul_((r * (A + 2.0 * zeta * lse) / sum_exp)[:, None])
             if terms.target is not None:
-                S.scatter_add_(1, safe_t[:, None], (-(r * terms.alpha[start:stop, p]) * owned)[:, None])
+                S.scatter_add_(
+                    1, safe_t[:, None], (-(r * terms.alpha[start:stop, p]) * owned)[:, None]
+                )
             else:
                 S.addcmul_(q, (r * gamma)[:, None], value=-1.0)
             if smoothing:

@@ -202,7 +202,9 @@ class _VocabParallelLoss(torch.autograd.Function):
             loss = terms.reduce(result.row_loss).to(input.dtype)
             z_term = terms.reduce(terms.z_rows(result.lse))
         else:
-            ctx.save_for_backward(input.detach(), weight.detach(), None if bias is None else bias.detach())
+            ctx.save_for_backward(
+                input.detach(), weight.detach(), None if bias is None else bias.detach()
+            )
             loss = result.row_loss.to(input.dtype)
             z_term = terms.z_rows(result.lse)
         ctx.mark_non_differentiable(z_term, result.lse)
@@ -224,8 +226,12 @@ class _VocabParallelLoss(torch.autograd.Function):
             call, plan.acc_dtype, grad_output=grad_loss.contiguous(), num_classes=shard.total
         )
         result = run_chunks(
-            call, terms, plan,
-            grad_input=need_x, grad_weight=need_w, grad_bias=need_b and bias is not None,
+            call,
+            terms,
+            plan,
+            grad_input=need_x,
+            grad_weight=need_w,
+            grad_bias=need_b and bias is not None,
             vocab=shard,
         )
         if result.grad_input is not None:
@@ -303,8 +309,12 @@ def vocab_parallel_linear_cross_entropy(
         >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
     """
     _reject_dtensors(
-        input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias,
-        weight=weight, token_weight=token_weight,
+        input=input,
+        linear_weight=linear_weight,
+        target=target,
+        linear_bias=linear_bias,
+        weight=weight,
+        token_weight=token_weight,
     )
     if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() < 2:
         raise ValueError(

@@ -14,7 +14,6 @@ from linear_ce.output import LinearCrossEntropyOutput
 __all__ = ["linear_cross_entropy"]
 
 
-
 @torch.compiler.assume_constant_result
 def _promote_retain_graph() -> bool:
     """Warn that ``allow_retain_graph`` becomes True and return True.
@@ -126,8 +125,12 @@ def linear_cross_entropy(
     )
     options = resolve_options(options, "linear_cross_entropy")
     shared = (
-        call.input, call.linear_weight, call.target, call.linear_bias,
-        call.class_weight, call.token_weight,
+        call.input,
+        call.linear_weight,
+        call.target,
+        call.linear_bias,
+        call.class_weight,
+        call.token_weight,
     )
     settings = (
         options.batch_chunk_size,
@@ -137,9 +140,17 @@ def linear_cross_entropy(
     )
     if call.reduction == "none":
         loss, z_term, lse = chunked_rows(
-            *shared, None, call.probability_target, call.ignore_index,
-            call.label_smoothing, call.z_loss, call.softcap, *settings,
-            False, False, False,
+            *shared,
+            None,
+            call.probability_target,
+            call.ignore_index,
+            call.label_smoothing,
+            call.z_loss,
+            call.softcap,
+            *settings,
+            False,
+            False,
+            False,
         )[:3]
         loss, z_term = loss.view(call.loss_shape), z_term.view(call.loss_shape)
     else:
@@ -148,8 +159,15 @@ def linear_cross_entropy(
             allow_retain_graph = _promote_retain_graph()
         grad_on = torch.is_grad_enabled()
         loss, z_term, lse = chunked_scalar(
-            *shared, call.probability_target, call.reduction, call.ignore_index,
-            call.label_smoothing, call.z_loss, call.softcap, *settings, allow_retain_graph,
+            *shared,
+            call.probability_target,
+            call.reduction,
+            call.ignore_index,
+            call.label_smoothing,
+            call.z_loss,
+            call.softcap,
+            *settings,
+            allow_retain_graph,
             grad_on and call.input.requires_grad,
             grad_on and call.linear_weight.requires_grad,
             grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,

@@ -54,7 +54,9 @@ class Gemm:
         """``out = x @ weight.T``."""
         torch.mm(x, weight.T, out=out)
 
-    def add_grad_input(self, acc: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
+    def add_grad_input(
+        self, acc: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor
+    ) -> None:
         """``acc += grad_logits @ weight`` (in the GEMM itself where dtypes allow:
         no buffer, no extra pass)."""
         if acc.dtype == grad_logits.dtype:

@@ -58,7 +58,9 @@ class LinearCrossEntropyLoss(nn.Module):
         super().__init__()
         for name, value in (("in_features", in_features), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LinearCrossEntropyLoss: {name} must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"LinearCrossEntropyLoss: {name} must be a positive int, got {value!r}"
+                )
         out_features = tuple(out_features)
         if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in out_features):
             raise ValueError(
@@ -68,8 +70,12 @@ class LinearCrossEntropyLoss(nn.Module):
         self.in_features = in_features
         self.num_classes = num_classes
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty((num_classes, *out_features, in_features), **factory))
-        self.bias = nn.Parameter(torch.empty((num_classes, *out_features), **factory)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty((num_classes, *out_features, in_features), **factory)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty((num_classes, *out_features), **factory)) if bias else None
+        )
         self.register_buffer("class_weight", weight)
         self.reduction = reduction
         self.ignore_index = ignore_index

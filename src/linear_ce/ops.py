@@ -29,8 +29,18 @@ __all__ = ["chunked_rows", "chunked_scalar", "hand_over_gradients"]
 
 
 def _call(
-    input, linear_weight, target, linear_bias, class_weight, token_weight,
-    probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    class_weight,
+    token_weight,
+    probability_target,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
 ) -> Call:
     return Call(
         input=input,
@@ -135,15 +145,29 @@ def chunked_scalar(
                 "requested when this call was traced; recompile with the current requires_grad"
             )
     call = _call(
-        input, linear_weight, target, linear_bias, class_weight, token_weight,
-        probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        class_weight,
+        token_weight,
+        probability_target,
+        reduction,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
     )
     _check_targets(call)
     plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
     terms = row_terms(call, plan.acc_dtype)
     result = run_chunks(
-        call, terms, plan,
-        grad_input=need_grad_input, grad_weight=need_grad_weight, grad_bias=need_grad_bias,
+        call,
+        terms,
+        plan,
+        grad_input=need_grad_input,
+        grad_weight=need_grad_weight,
+        grad_bias=need_grad_bias,
     )
     return (
         terms.reduce(result.row_loss).to(input.dtype),
@@ -162,16 +186,35 @@ def _fake_outputs(input, linear_weight, acc_dtype, loss_shape, needs):
         input.new_empty(loss_shape),
         input.new_empty(loss_shape, dtype=acc),
         input.new_empty(lse_shape, dtype=acc),
-        *(input.new_empty(shape if need else (0,)) for shape, need in zip(grad_shapes, needs, strict=True)),
+        *(
+            input.new_empty(shape if need else (0,))
+            for shape, need in zip(grad_shapes, needs, strict=True)
+        ),
     )
 
 
 @chunked_scalar.register_fake
 def _chunked_scalar_fake(
-    input, linear_weight, target, linear_bias, class_weight, token_weight,
-    probability_target, reduction, ignore_index, label_smoothing, z_loss, softcap,
-    batch_chunk_size, chunking_method, acc_policy, acc_dtype, allow_retain_graph,
-    need_grad_input, need_grad_weight, need_grad_bias,
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    class_weight,
+    token_weight,
+    probability_target,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    batch_chunk_size,
+    chunking_method,
+    acc_policy,
+    acc_dtype,
+    allow_retain_graph,
+    need_grad_input,
+    need_grad_weight,
+    need_grad_bias,
 ):
     return _fake_outputs(
         input, linear_weight, acc_dtype, (), (need_grad_input, need_grad_weight, need_grad_bias)
@@ -186,7 +229,9 @@ def _scalar_setup_context(ctx, inputs, output):
     ctx.needs = inputs[17:20]
     # Detached: the stored gradients are outputs of this node; keeping them
     # attached would make node -> ctx -> tensor -> grad_fn -> node a cycle.
-    ctx.grads = [g.detach() if need else None for g, need in zip(output[3:], ctx.needs, strict=True)]
+    ctx.grads = [
+        g.detach() if need else None for g, need in zip(output[3:], ctx.needs, strict=True)
+    ]
 
 
 _NO_GRAD = [None] * 20
@@ -211,7 +256,11 @@ def hand_over_gradients(
     if not allow_retain_graph:
         ctx.grads = [None] * len(stored)
     return [
-        None if g is None else g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)
+        None
+        if g is None
+        else g.mul_(grad_loss.to(g.dtype))
+        if in_place
+        else g * grad_loss.to(g.dtype)
         for g in stored
     ]
 
@@ -255,15 +304,27 @@ def chunked_rows(
     empty gradients. With ``grad_output`` ``(N, P)``: the vector-Jacobian
     product of the loss rows, the gradients in the last three slots."""
     call = _call(
-        input, linear_weight, target, linear_bias, class_weight, token_weight,
-        probability_target, "none", ignore_index, label_smoothing, z_loss, softcap,
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        class_weight,
+        token_weight,
+        probability_target,
+        "none",
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
     )
     _check_targets(call)
     plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
     terms = row_terms(call, plan.acc_dtype, grad_output=grad_output)
     backward = grad_output is not None
     result = run_chunks(
-        call, terms, plan,
+        call,
+        terms,
+        plan,
         grad_input=backward and need_grad_input,
         grad_weight=backward and need_grad_weight,
         grad_bias=backward and need_grad_bias,
@@ -278,13 +339,32 @@ def chunked_rows(
 
 @chunked_rows.register_fake
 def _chunked_rows_fake(
-    input, linear_weight, target, linear_bias, class_weight, token_weight, grad_output,
-    probability_target, ignore_index, label_smoothing, z_loss, softcap,
-    batch_chunk_size, chunking_method, acc_policy, acc_dtype,
-    need_grad_input, need_grad_weight, need_grad_bias,
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    class_weight,
+    token_weight,
+    grad_output,
+    probability_target,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    batch_chunk_size,
+    chunking_method,
+    acc_policy,
+    acc_dtype,
+    need_grad_input,
+    need_grad_weight,
+    need_grad_bias,
 ):
     backward = grad_output is not None
-    needs = (backward and need_grad_input, backward and need_grad_weight, backward and need_grad_bias)
+    needs = (
+        backward and need_grad_input,
+        backward and need_grad_weight,
+        backward and need_grad_bias,
+    )
     rows_shape = (input.shape[0], linear_weight.shape[1])
     return _fake_outputs(input, linear_weight, acc_dtype, rows_shape, needs)
 
@@ -307,8 +387,17 @@ def _rows_backward(ctx, grad_loss, *_unused):
     if grad_loss is None or not (need_input or need_weight or need_bias):
         return tuple(result)
     outputs = chunked_rows(
-        input, linear_weight, target, linear_bias, class_weight, token_weight,
-        grad_loss.contiguous(), *ctx.args, need_input, need_weight, need_bias,
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        class_weight,
+        token_weight,
+        grad_loss.contiguous(),
+        *ctx.args,
+        need_input,
+        need_weight,
+        need_bias,
     )
     if need_input:
         result[0] = outputs[3]
@@ -331,7 +420,12 @@ def _vmap_by_loop(op):
             for a, d in zip(args, in_dims, strict=True)
         ]
         outs = [
-            op(*[a[i] if d is not None and isinstance(a, torch.Tensor) else a for a, d in zip(moved, in_dims, strict=True)])
+            op(
+                *[
+                    a[i] if d is not None and isinstance(a, torch.Tensor) else a
+                    for a, d in zip(moved, in_dims, strict=True)
+                ]
+            )
             for i in range(info.batch_size)
         ]
         stacked = tuple(torch.stack(parts) for parts in zip(*outs, strict=True))

@@ -116,7 +116,9 @@ class LinearCrossEntropyOptions:
             )
 
 
-def resolve_options(options: LinearCrossEntropyOptions | None, caller: str) -> LinearCrossEntropyOptions:
+def resolve_options(
+    options: LinearCrossEntropyOptions | None, caller: str
+) -> LinearCrossEntropyOptions:
     """``options``, or the defaults for ``None``; anything else is a ``TypeError`` naming ``caller``."""
     if options is None:
         return _DEFAULT_OPTIONS

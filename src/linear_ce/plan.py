@@ -14,7 +14,14 @@ from linear_ce.capability import native_half_gemm
 from linear_ce.gemm import CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
-__all__ = ["MIN_EFFICIENT_ROWS", "ROW_MULTIPLE", "Plan", "acc_dtype_for", "choose_chunk_rows", "make_plan"]
+__all__ = [
+    "MIN_EFFICIENT_ROWS",
+    "ROW_MULTIPLE",
+    "Plan",
+    "acc_dtype_for",
+    "choose_chunk_rows",
+    "make_plan",
+]
 
 #: Fewer rows than this per chunk leaves the GEMMs memory-bound on a CPU.
 MIN_EFFICIENT_ROWS = 128

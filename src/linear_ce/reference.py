@@ -79,14 +79,22 @@ def linear_cross_entropy(
     plain = call.z_loss == 0.0 and call.token_weight is None and not (return_lse or return_z_loss)
     if plain:
         loss = F.cross_entropy(
-            logits, target, weight=call.class_weight, reduction=call.reduction,
-            label_smoothing=call.label_smoothing, **ignore,
+            logits,
+            target,
+            weight=call.class_weight,
+            reduction=call.reduction,
+            label_smoothing=call.label_smoothing,
+            **ignore,
         )
         return loss.reshape(call.loss_shape) if call.reduction == "none" else loss
 
     per_row = F.cross_entropy(
-        logits, target, weight=call.class_weight, reduction="none",
-        label_smoothing=call.label_smoothing, **ignore,
+        logits,
+        target,
+        weight=call.class_weight,
+        reduction="none",
+        label_smoothing=call.label_smoothing,
+        **ignore,
     ).view(rows, positions)
     lse = torch.logsumexp(logits, dim=1).view(rows, positions)
     if call.probability_target:

@@ -31,21 +31,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m linear_ce.bench",
         description="Time and memory of linear_ce against the GEMM floor and its peers.",
     )
-    parser.add_argument("--shapes", default=_DEFAULT_SHAPES,
-                        help=f"'N,D,V[;N,D,V...]' rows, features, classes (default {_DEFAULT_SHAPES})")
-    parser.add_argument("--dtype", default="fp32,bf16",
-                        help="comma-separated dtypes: fp32, bf16, fp16, fp64 (default fp32,bf16)")
+    parser.add_argument(
+        "--shapes",
+        default=_DEFAULT_SHAPES,
+        help=f"'N,D,V[;N,D,V...]' rows, features, classes (default {_DEFAULT_SHAPES})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="fp32,bf16",
+        help="comma-separated dtypes: fp32, bf16, fp16, fp64 (default fp32,bf16)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--sweep", default=_DEFAULT_SWEEP,
-                        help="one dimension of the first shape to vary, for the plot: "
-                             f"'V=a,b,...', 'N=...' or 'D=...', or 'none' (default {_DEFAULT_SWEEP})")
-    parser.add_argument("--sweep-dtype", default=None,
-                        help="dtypes the sweep runs in (default: the first of --dtype)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed calls per variant and point, interleaved (default 3)")
-    parser.add_argument("--variants", default=",".join(DEFAULT),
-                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default: all but "
-                             "the per-policy linear_ce-* rows; unavailable ones are listed as such)")
+    parser.add_argument(
+        "--sweep",
+        default=_DEFAULT_SWEEP,
+        help="one dimension of the first shape to vary, for the plot: "
+        f"'V=a,b,...', 'N=...' or 'D=...', or 'none' (default {_DEFAULT_SWEEP})",
+    )
+    parser.add_argument(
+        "--sweep-dtype",
+        default=None,
+        help="dtypes the sweep runs in (default: the first of --dtype)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed calls per variant and point, interleaved (default 3)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT),
+        help=f"comma-separated, from: {', '.join(VARIANTS)} (default: all but "
+        "the per-policy linear_ce-* rows; unavailable ones are listed as such)",
+    )
     parser.add_argument("--json", default="bench-out/bench.json", help="JSON output path")
     parser.add_argument("--plot", default="bench-out/bench.png", help="PNG output path")
     args = parser.parse_args(argv)
@@ -54,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype_list = config.parse_dtypes(args.dtype)
         args.sweep_spec = config.parse_sweep(args.sweep)
         args.sweep_dtypes = (
-            args.dtype_list[:1] if args.sweep_dtype is None else config.parse_dtypes(args.sweep_dtype)
+            args.dtype_list[:1]
+            if args.sweep_dtype is None
+            else config.parse_dtypes(args.sweep_dtype)
         )
         args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in args.variant_list if v not in VARIANTS]
@@ -82,23 +103,40 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # A pipe or CI log gets a table wide enough to read, not the 80-column default.
     console = Console(width=None if sys.stdout.isatty() else 132)
-    points = config.points(args.shape_list, args.dtype_list, args.device, args.sweep_spec,
-                           args.sweep_dtypes)
+    points = config.points(
+        args.shape_list, args.dtype_list, args.device, args.sweep_spec, args.sweep_dtypes
+    )
     total = len(points) * len(args.variant_list) * (args.repeats + 1)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("starting workers", total=total)
         results = run_points(
-            points, args.variant_list, args.repeats,
+            points,
+            args.variant_list,
+            args.repeats,
             lambda text, calls: progress.update(task, advance=calls, description=text),
         )
     summaries = [(p, report.summarize(p, m)) for p, m in zip(points, results, strict=True)]
-    meta = {"machine": report.machine(), "repeats": args.repeats, "device": args.device,
-            "command": " ".join(["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])])}
+    meta = {
+        "machine": report.machine(),
+        "repeats": args.repeats,
+        "device": args.device,
+        "command": " ".join(
+            ["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])]
+        ),
+    }
     info = meta["machine"]
-    title = (f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
-             + (f", {info['gpu']}" if args.device == "cuda" and "gpu" in info else "")
-             + f"; median of {args.repeats} interleaved repeats")
+    title = (
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+        + (f", {info['gpu']}" if args.device == "cuda" and "gpu" in info else "")
+        + f"; median of {args.repeats} interleaved repeats"
+    )
     console.print(report.table(summaries, title))
     dim = args.sweep_spec[0] if args.sweep_spec else "V"
     report.write_plot(summaries, dim, Path(args.plot), title)

@@ -18,7 +18,12 @@ DTYPES = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_SHORT = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,9 @@ def parse_dtypes(text: str) -> list[str]:
     for name in text.split(","):
         name = name.strip()
         if name not in DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(_SHORT.values()))}")
+            raise ValueError(
+                f"unknown dtype {name!r}; expected one of {sorted(set(_SHORT.values()))}"
+            )
         names.append(_SHORT[DTYPES[name]])
     return names
 

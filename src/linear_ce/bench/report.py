@@ -86,8 +86,13 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
 
     out = Table(title=title, show_lines=False)
     for header, justify in [
-        ("shape", "left"), ("variant", "left"), ("time s", "right"), ("× floor", "right"),
-        ("peak MiB", "right"), ("× grads", "right"), ("note", "left"),
+        ("shape", "left"),
+        ("variant", "left"),
+        ("time s", "right"),
+        ("× floor", "right"),
+        ("peak MiB", "right"),
+        ("× grads", "right"),
+        ("note", "left"),
     ]:
         out.add_column(header, justify=justify, overflow="fold")
     for i, (point, rows) in enumerate(summaries):
@@ -117,9 +122,7 @@ def _color(variant: str):
     return matplotlib.colormaps["tab20"]((2 * index) % 20 + (2 * index) // 20 % 2)
 
 
-def write_plot(
-    summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str
-) -> None:
+def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str) -> None:
     """PNG of time (× the floor measured in the same run) and transient memory
     (× grads) against ``dim`` (N, D or V), one column per dtype; points that share
     the other two dimensions form a line."""
@@ -147,15 +150,25 @@ def write_plot(
         for (others, variant), line in sorted(series.items()):
             order = sorted(range(len(line["x"])), key=line["x"].__getitem__)
             xs = [line["x"][i] for i in order]
-            label = variant if len({o for o, _ in series}) == 1 else (
-                f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others, strict=True))})"
+            label = (
+                variant
+                if len({o for o, _ in series}) == 1
+                else (
+                    f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others, strict=True))})"
+                )
             )
             # One colour per variant in every panel.
-            style = {"linestyle": "--" if variant.startswith("floor") else "-", "marker": "o",
-                     "color": _color(variant), "label": label}
+            style = {
+                "linestyle": "--" if variant.startswith("floor") else "-",
+                "marker": "o",
+                "color": _color(variant),
+                "label": label,
+            }
             axes[0][col].plot(xs, [line["t"][i] for i in order], **style)
             axes[1][col].plot(xs, [line["m"][i] for i in order], **style)
-        for row, ylabel in enumerate(["time / floor (same run)", "transient peak / gradients' bytes"]):
+        for row, ylabel in enumerate(
+            ["time / floor (same run)", "transient peak / gradients' bytes"]
+        ):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -199,8 +212,11 @@ def write_json(summaries: list[tuple[Point, list[Row]]], meta: dict, path: Path)
     data = {
         **meta,
         "points": [
-            {**dataclasses.asdict(point), "grad_bytes": point.grad_bytes,
-             "rows": [dataclasses.asdict(row) for row in rows]}
+            {
+                **dataclasses.asdict(point),
+                "grad_bytes": point.grad_bytes,
+                "rows": [dataclasses.asdict(row) for row in rows],
+            }
             for point, rows in summaries
         ],
     }

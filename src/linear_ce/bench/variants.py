@@ -68,7 +68,9 @@ def _floor(dtype: torch.dtype | None) -> Build:
 
 
 def _floor_fwd(x, w, t):
-    dtype = x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
+    dtype = (
+        x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
+    )
     xd, wd = x.detach().to(dtype), w.detach().to(dtype)
 
     def call():
@@ -113,7 +115,11 @@ def _linear_ce(acc_policy: str | None) -> Callable:
     def loss(x, w, t):
         import linear_ce
 
-        options = None if acc_policy is None else linear_ce.LinearCrossEntropyOptions(acc_policy=acc_policy)
+        options = (
+            None
+            if acc_policy is None
+            else linear_ce.LinearCrossEntropyOptions(acc_policy=acc_policy)
+        )
         return linear_ce.linear_cross_entropy(x, w, t, options=options)
 
     return loss
@@ -175,40 +181,99 @@ def _has_builtin(point: Point) -> str | None:
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
-        Variant("floor", "train", _floor(None), _same_dtype_floor,
-                "the three GEMMs alone, in the input dtype"),
-        Variant("floor-fp32", "train", _floor(torch.float32), _half_only,
-                "the three GEMMs alone, in fp32"),
-        Variant("plain", "train", _train(_plain), _always,
-                "cross_entropy(linear(x, W), t), eager"),
-        Variant("plain-compile", "train", _compiled_plain, _always,
-                "the plain expression under torch.compile"),
-        Variant("torch", "train", _torch_builtin(None), _has_builtin,
-                "torch's linear_cross_entropy, default options"),
-        Variant("torch-512", "train", _torch_builtin(512), _has_builtin,
-                "torch's linear_cross_entropy, 512-row chunks"),
-        Variant("linear_ce", "train", _train(_linear_ce(None)), _always,
-                "linear_ce, default options"),
+        Variant(
+            "floor",
+            "train",
+            _floor(None),
+            _same_dtype_floor,
+            "the three GEMMs alone, in the input dtype",
+        ),
+        Variant(
+            "floor-fp32",
+            "train",
+            _floor(torch.float32),
+            _half_only,
+            "the three GEMMs alone, in fp32",
+        ),
+        Variant("plain", "train", _train(_plain), _always, "cross_entropy(linear(x, W), t), eager"),
+        Variant(
+            "plain-compile",
+            "train",
+            _compiled_plain,
+            _always,
+            "the plain expression under torch.compile",
+        ),
+        Variant(
+            "torch",
+            "train",
+            _torch_builtin(None),
+            _has_builtin,
+            "torch's linear_cross_entropy, default options",
+        ),
+        Variant(
+            "torch-512",
+            "train",
+            _torch_builtin(512),
+            _has_builtin,
+            "torch's linear_cross_entropy, 512-row chunks",
+        ),
+        Variant(
+            "linear_ce", "train", _train(_linear_ce(None)), _always, "linear_ce, default options"
+        ),
         *[
-            Variant(f"linear_ce-{policy}", "train", _train(_linear_ce(policy)), _always,
-                    f"linear_ce, acc_policy={policy!r}")
+            Variant(
+                f"linear_ce-{policy}",
+                "train",
+                _train(_linear_ce(policy)),
+                _always,
+                f"linear_ce, acc_policy={policy!r}",
+            )
             for policy in ("accurate", "balanced", "compact")
         ],
-        Variant("cce", "train", _train(_cce), _needs_module("cut_cross_entropy"),
-                "Cut Cross-Entropy (torch_compile impl on CPU)"),
-        Variant("liger", "train", _train(_liger), _needs_module("liger_kernel", cuda_only=True),
-                "Liger-Kernel fused linear cross-entropy"),
-        Variant("floor-fwd", "forward", _floor_fwd, _always,
-                "the logits GEMM alone (fp32 for half inputs without native half GEMMs)"),
-        Variant("linear_ce-fwd", "forward", _forward(_linear_ce(None)), _always,
-                "linear_ce forward only, no gradients"),
+        Variant(
+            "cce",
+            "train",
+            _train(_cce),
+            _needs_module("cut_cross_entropy"),
+            "Cut Cross-Entropy (torch_compile impl on CPU)",
+        ),
+        Variant(
+            "liger",
+            "train",
+            _train(_liger),
+            _needs_module("liger_kernel", cuda_only=True),
+            "Liger-Kernel fused linear cross-entropy",
+        ),
+        Variant(
+            "floor-fwd",
+            "forward",
+            _floor_fwd,
+            _always,
+            "the logits GEMM alone (fp32 for half inputs without native half GEMMs)",
+        ),
+        Variant(
+            "linear_ce-fwd",
+            "forward",
+            _forward(_linear_ce(None)),
+            _always,
+            "linear_ce forward only, no gradients",
+        ),
     ]
 }
 
 #: Measured when ``--variants`` is not given.
 DEFAULT = (
-    "floor", "floor-fp32", "plain", "plain-compile", "torch", "torch-512", "linear_ce",
-    "cce", "liger", "floor-fwd", "linear_ce-fwd",
+    "floor",
+    "floor-fp32",
+    "plain",
+    "plain-compile",
+    "torch",
+    "torch-512",
+    "linear_ce",
+    "cce",
+    "liger",
+    "floor-fwd",
+    "linear_ce-fwd",
 )
 
 
@@ -225,6 +290,8 @@ def make_inputs(point: Point, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     dtype, device = point.torch_dtype, torch.device(point.device)
     x = torch.randn(point.N, point.D, generator=gen).to(device=device, dtype=dtype)
-    w = (torch.randn(point.V, point.D, generator=gen) * point.D**-0.5).to(device=device, dtype=dtype)
+    w = (torch.randn(point.V, point.D, generator=gen) * point.D**-0.5).to(
+        device=device, dtype=dtype
+    )
     t = torch.randint(0, point.V, (point.N,), generator=gen).to(device)
     return x.requires_grad_(), w.requires_grad_(), t

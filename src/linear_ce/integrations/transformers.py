@@ -112,9 +112,10 @@ def _supported_names() -> str:
 def _family(cls: type) -> type:
     """The supported transformers class ``cls`` is or derives from, with an unchanged ``forward``."""
     for base in cls.__mro__:
-        if SUPPORTED_MODELS.get(base.__name__) is not None and getattr(
-            transformers, base.__name__, None
-        ) is base:
+        if (
+            SUPPORTED_MODELS.get(base.__name__) is not None
+            and getattr(transformers, base.__name__, None) is base
+        ):
             if _original(cls.forward) is not _original(base.forward):
                 raise TypeError(
                     f"{cls.__name__} overrides forward() of {base.__name__}; linear_ce can only "
@@ -189,12 +190,15 @@ def patch_model_class(cls: ClassT) -> ClassT:
         ``cls`` itself; patching twice does nothing.
     """
     if not isinstance(cls, type):
-        raise TypeError(f"patch_model_class expects a model class, got {type(cls).__name__}; "
-                        "use patch(model) for an instance")
+        raise TypeError(
+            f"patch_model_class expects a model class, got {type(cls).__name__}; "
+            "use patch(model) for an instance"
+        )
     family = _family(cls)
     if family is not cls:
-        raise TypeError(f"patch_model_class: patch {family.__name__} itself, not its subclass "
-                        f"{cls.__name__}")
+        raise TypeError(
+            f"patch_model_class: patch {family.__name__} itself, not its subclass {cls.__name__}"
+        )
     if not hasattr(cls.forward, _MARK):
         cls.forward = _fused_forward(cls.forward)
     return cls
@@ -204,8 +208,10 @@ def unpatch_model_class(cls: ClassT) -> ClassT:
     """Undo :func:`patch_model_class`. Returns ``cls``."""
     forward = vars(cls).get("forward")
     if not hasattr(forward, _MARK):
-        raise ValueError(f"unpatch_model_class: {getattr(cls, '__name__', cls)!r} was not "
-                         "patched by patch_model_class()")
+        raise ValueError(
+            f"unpatch_model_class: {getattr(cls, '__name__', cls)!r} was not "
+            "patched by patch_model_class()"
+        )
     cls.forward = getattr(forward, _MARK)
     return cls
 
@@ -219,7 +225,9 @@ def _check_instance(model: nn.Module) -> None:
             f"{type(head).__name__}"
         )
     if not isinstance(getattr(model, "model", None), nn.Module):
-        raise TypeError(f"{name} has no base model at .model; linear_ce needs its last hidden states")
+        raise TypeError(
+            f"{name} has no base model at .model; linear_ce needs its last hidden states"
+        )
     if model.loss_function is not ForCausalLMLoss:
         raise TypeError(
             f"{name} uses the loss function {getattr(model.loss_function, '__name__', '?')} "
@@ -293,8 +301,9 @@ def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
 # Dynamo cannot trace swapping a module's forward: under torch.compile this call runs
 # eagerly (one graph break) while the rest of the model stays compiled.
 @torch.compiler.disable
-def _loss_through_head(head: nn.Linear, hidden: torch.Tensor, target: torch.Tensor,
-                       **loss_args: Any) -> torch.Tensor:
+def _loss_through_head(
+    head: nn.Linear, hidden: torch.Tensor, target: torch.Tensor, **loss_args: Any
+) -> torch.Tensor:
     """The loss, computed as the ``forward`` of one call of ``head`` so its hooks fire around it."""
 
     def loss_forward(input: torch.Tensor) -> torch.Tensor:
