@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from linear_ce.transform import LogitTransform
+
 __all__ = ["Call", "check_call"]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -28,7 +30,8 @@ class Call:
     allows), ``linear_weight`` ``(C, P, F)``, ``linear_bias`` ``(C, P)``,
     ``target`` ``(N, P)`` class indices or ``(N, C, P)`` probabilities,
     ``token_weight`` ``(N, P)``. ``loss_shape`` is the shape of the
-    ``reduction="none"`` result.
+    ``reduction="none"`` result. ``logit_scale`` and ``temperature`` (checked by
+    :func:`linear_ce.transform.check_scales`) complete the logits transform.
     """
 
     input: torch.Tensor
@@ -45,6 +48,13 @@ class Call:
     softcap: float | None
     loss_shape: tuple[int, ...]
     weight_shape: tuple[int, ...]
+    logit_scale: float = 1.0
+    temperature: float = 1.0
+
+    @property
+    def transform(self) -> LogitTransform:
+        """The logits transform of this call (:mod:`linear_ce.transform`)."""
+        return LogitTransform(self.logit_scale, self.softcap, self.temperature)
 
 
 def _fail(message: str) -> None:
