@@ -21,14 +21,17 @@ logit gradient of a class lives on the rank that holds it, so ``grad_W`` and
 :math:`\sum_r G_r W_r` is summed over ranks by one all_reduce of ``N·F``
 values per call.
 
-Collectives per call, with ``K = ⌈N / B⌉`` chunks of ``B`` rows and ``P``
-output positions (``P = 1`` for ordinary ``(V, F)`` weights):
+Collectives per call, with ``K = Σ_p ⌈N_p / B⌉`` chunks of ``B`` rows over the
+``P`` output positions (``P = 1`` for ordinary ``(V, F)`` weights), where
+``N_p`` counts the rows whose target at position ``p`` is not ``ignore_index``
+(every rank sees the same targets, so every rank skips the same rows and runs
+the same chunks):
 
-- ``reduction`` "mean"/"sum": ``2·K·P`` all_reduce in forward, plus one
+- ``reduction`` "mean"/"sum": ``2·K`` all_reduce in forward, plus one
   all_reduce of the input gradient (in forward, where the gradients are
   computed) when ``input`` requires grad; backward communicates nothing.
-- ``reduction="none"``: ``2·K·P`` in forward; backward recomputes the chunks,
-  ``2·K·P`` again, plus one all_reduce of the input gradient.
+- ``reduction="none"``: ``2·K`` in forward; backward recomputes the chunks,
+  ``2·K`` again, plus one all_reduce of the input gradient.
 - one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
   not given (see :func:`shard_layout` to do it once and pass the result).
 
