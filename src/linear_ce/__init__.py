@@ -10,12 +10,15 @@ from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.token_logprobs import TokenLogprobs, token_logprobs
 
 __all__ = [
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOptions",
     "LinearCrossEntropyOutput",
+    "TokenLogprobs",
     "linear_cross_entropy",
     "reference",
+    "token_logprobs",
 ]
 __version__ = "0.1.0"
