@@ -64,23 +64,30 @@ def _call(
     )
 
 
-def _check_targets(call: Call, num_classes: int | None = None) -> None:
+def check_class_indices(
+    target: torch.Tensor, ignore_index: int, num_classes: int, name: str = "linear_cross_entropy"
+) -> None:
     """Class indices must lie in [0, C) or equal ignore_index; say which value does not.
+    Runs inside the ops, so a compiled graph does not guard on the targets' values."""
+    if target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(
+            f"{name}: target contains class index {value}, outside [0, "
+            f"{num_classes}) and not ignore_index={ignore_index}"
+        )
 
-    ``num_classes`` is the whole vocabulary's ``C`` for a vocab-parallel shard.
-    """
-    if call.probability_target or call.target.numel() == 0:
+
+def _check_targets(call: Call, num_classes: int | None = None) -> None:
+    """:func:`check_class_indices` of a class-index call; ``num_classes`` is the whole
+    vocabulary's ``C`` for a vocab-parallel shard."""
+    if call.probability_target:
         return
     if num_classes is None:
         num_classes = call.linear_weight.shape[0]
-    t = call.target
-    bad = (t != call.ignore_index) & ((t < 0) | (t >= num_classes))
-    if bool(bad.any()):
-        value = int(t[bad][0])
-        raise ValueError(
-            f"linear_cross_entropy: target contains class index {value}, outside [0, "
-            f"{num_classes}) and not ignore_index={call.ignore_index}"
-        )
+    check_class_indices(call.target, call.ignore_index, num_classes)
 
 
 def _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype) -> LinearCrossEntropyOptions:

@@ -13,7 +13,7 @@ import torch
 
 from linear_ce.chunked import Gradients, run_chunks, tiles_for
 from linear_ce.losses.token_logprob import TokenLogprobHead
-from linear_ce.ops import _gradient_outputs, _options, _vmap_by_loop
+from linear_ce.ops import _gradient_outputs, _options, _vmap_by_loop, check_class_indices
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
 
@@ -34,6 +34,7 @@ def _head_and_grads(
     options,
     needs,
 ) -> tuple[TokenLogprobHead, Gradients]:
+    check_class_indices(target, ignore_index, linear_weight.shape[0], "token_logprobs")
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     transform = LogitTransform.from_list(transform)
     head = TokenLogprobHead(

@@ -8,7 +8,6 @@ from typing import NamedTuple
 import torch
 
 from linear_ce.arguments import check_call
-from linear_ce.ops import _check_targets
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.transform import check_scales
@@ -124,7 +123,6 @@ def token_logprobs(
     )
     check_scales(_NAME, logit_scale, temperature)
     call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
-    _check_targets(call)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
     logprob, ent, is_top1 = token_rows(

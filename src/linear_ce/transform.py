@@ -55,9 +55,10 @@ class LogitTransform:
         buffer of the same shape, store ``sech²(aσ/c)`` there for the backward."""
         cap = self.softcap
         if cap is None:
-            scale = self.factor
-            if scale != 1.0:
-                logits.mul_(scale)
+            if self.logit_scale != 1.0:
+                logits.mul_(self.logit_scale)
+            if self.temperature != 1.0:
+                logits.div_(self.temperature)
             return
         if self.logit_scale == 1.0:
             logits.div_(cap)
@@ -67,7 +68,9 @@ class LogitTransform:
             # tanh' = sech², not 1 - tanh²: the latter cancels to nothing where tanh
             # saturates, losing every digit of the gradient of large logits.
             torch.cosh(logits, out=sech2).reciprocal_().square_()
-        logits.tanh_().mul_(cap / self.temperature)
+        logits.tanh_().mul_(cap)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
 
     def plain(self, logits: torch.Tensor) -> torch.Tensor:
         """The transform out of place, for the plain expressions of :mod:`linear_ce.reference`."""

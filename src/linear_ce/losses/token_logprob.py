@@ -12,13 +12,14 @@ Per row, with the loop's :math:`u = s - m`, :math:`e = e^{u}`,
     \frac{\partial H}{\partial s_j} = -p_j\,(u_j - \log Z + H).
 
 With upstream gradients :math:`g` (of :math:`\log p_t`) and :math:`h` (of
-:math:`H`) the logits gradient is, after ``u ← e·u`` in place,
+:math:`H`) the logits gradient is, with :math:`\mu = \sum_j p_j u_j = \log Z - H`,
 
 .. math::
 
-    g\,[j = t] + \frac{-g + h(\log Z - H)}{Z}\, e_j - \frac{h}{Z}\,(e u)_j,
+    g\,[j = t] - \frac{g}{Z}\, e_j - \frac{h}{Z}\, e_j (u_j - \mu),
 
-two passes over the tile. ``top1`` is true where :math:`u_t = 0` and no other
+where :math:`u - \mu` is formed before the product with :math:`e`, so the
+entropy gradient does not cancel where :math:`u_j \approx \mu`. ``top1`` is true where :math:`u_t = 0` and no other
 class reaches the maximum (ties are false).
 """
 
@@ -30,6 +31,9 @@ from linear_ce.losses.base import RowStats
 from linear_ce.row_chunks import RowChunk
 
 __all__ = ["TokenLogprobHead"]
+
+#: Vocabulary columns per step of the blocked row dot product (a small scratch).
+_BLOCK = 2048
 
 
 class TokenLogprobHead:
@@ -67,6 +71,13 @@ class TokenLogprobHead:
         )
         self.top1 = torch.zeros(valid.shape, dtype=torch.bool, device=device) if top1 else None
         self._is_max: torch.Tensor | None = None
+        self._block: torch.Tensor | None = None
+
+    def _block_buffer(self, u: torch.Tensor) -> torch.Tensor:
+        rows = u.shape[0]
+        if self._block is None or self._block.shape[0] < rows:
+            self._block = torch.empty((rows, _BLOCK), dtype=u.dtype, device=u.device)
+        return self._block[:rows]
 
     def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         local_t = self.target[rows, p] - self.start
@@ -84,14 +95,22 @@ class TokenLogprobHead:
 
     def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
         if self.entropy_on:
-            torch.sum(u.mul_(e), dim=1, out=out[:, 1])
+            # Σ_j e_j u_j in vocabulary blocks: u must survive for the gradient.
+            dot = out[:, 1]
+            dot.zero_()
+            block = self._block_buffer(u)
+            for start in range(0, u.shape[1], _BLOCK):
+                stop = min(start + _BLOCK, u.shape[1])
+                part = block[:, : stop - start]
+                torch.mul(u[:, start:stop], e[:, start:stop], out=part)
+                dot.add_(part.sum(1))
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         sums = stats.sums
         self.logprob[rows, p] = sums[:, 0] - stats.log_sum_exp
         if self.entropy_on:
-            self.row_entropy = stats.log_sum_exp - sums[:, 1] / stats.sum_exp
-            self.entropy[rows, p] = self.row_entropy
+            self.row_mean_u = sums[:, 1] / stats.sum_exp
+            self.entropy[rows, p] = stats.log_sum_exp - self.row_mean_u
         if self.top1_on:
             self.top1[rows, p] = (sums[:, -1] > 0) & (sums[:, -2] == 1)
 
@@ -114,9 +133,8 @@ class TokenLogprobHead:
             out = e.mul_((-g / z)[:, None])
         else:
             h = self.grad_entropy[rows, p].to(z.dtype) * factor
-            # u holds e·u here (sums_after_exp).
-            out = u.mul_((-h / z)[:, None])
-            out.addcmul_(e, ((-g + h * (stats.log_sum_exp - self.row_entropy)) / z)[:, None])
+            out = u.sub_(self.row_mean_u[:, None]).mul_(e).mul_((-h / z)[:, None])
+            out.addcmul_(e, (-g / z)[:, None])
         if self.grad_logprob is not None:
             out.scatter_add_(1, self.safe_t, (g * self.owned)[:, None])
         return out
