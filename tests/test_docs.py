@@ -1,8 +1,8 @@
 """The documentation stays true: every Python block of README.md and docs/*.md runs.
 
 The blocks of one page run in order in one namespace, so a page can build its inputs once
-and use them in later blocks; each page runs in a fresh Python process, so one page's
-process group or patched class never leaks into another. The blocks check themselves
+and use them in later blocks; each page gets a fresh namespace. All pages run in one child
+Python process (torch is imported once), never in the test process itself. The blocks check themselves
 (``assert``, ``torch.testing.assert_close`` against the plain expression): a block that
 stops working, or whose result stops matching, fails here.
 
@@ -32,14 +32,27 @@ _SKIP = re.compile(r"# doc-test: skip \((.+)\)")
 _NEEDS = re.compile(r"# doc-test: needs (\w+)")
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
-# Runs in the child: execute each block, its code named after the page and line so a
-# traceback points into the markdown.
+# Runs in the child: each page's blocks in a fresh namespace, their code named after the page
+# (and padded to its line numbers) so a traceback points into the markdown. Writes, per page,
+# the traceback of its first failing block or None.
 _RUNNER = """
-import json, sys
-namespace = {"__name__": "__doc_page__"}
-for name, source in json.load(sys.stdin):
-    exec(compile(source, name, "exec"), namespace)
+import json, sys, traceback
+failures = {}
+for page, blocks in json.load(sys.stdin).items():
+    namespace = {"__name__": "__doc_page__"}
+    failures[page] = None
+    try:
+        for source in blocks:
+            exec(compile(source, page, "exec"), namespace)
+    except BaseException:
+        failures[page] = traceback.format_exc()
+with open(sys.argv[1], "w") as out:
+    json.dump(failures, out)
 """
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
 def _blocks(page: Path) -> list[tuple[int, str]]:
@@ -48,8 +61,8 @@ def _blocks(page: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _FENCE.finditer(text)]
 
 
-def _runnable(page: Path) -> list[tuple[str, str]]:
-    """The blocks to run, as ``(page:line, source)``; skips the marked ones."""
+def _runnable(page: Path) -> list[str]:
+    """The sources of the blocks to run, padded to their line numbers; skips the marked ones."""
     out = []
     for line, source in _blocks(page):
         first = source.split("\n", 1)[0]
@@ -59,7 +72,7 @@ def _runnable(page: Path) -> list[tuple[str, str]]:
         if needs and importlib.util.find_spec(needs.group(1)) is None:
             continue
         # Pad with blank lines so the line numbers in a traceback are the page's own.
-        out.append((f"{page.relative_to(ROOT)}", "\n" * (line - 1) + source))
+        out.append("\n" * (line - 1) + source)
     return out
 
 
@@ -69,21 +82,31 @@ def test_readme_links_every_page():
     assert not unlinked, f"README.md does not link to docs/{unlinked}"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=lambda p: p.name)
-def test_python_blocks_run(page):
-    blocks = _runnable(page)
-    if not blocks:
-        pytest.skip(f"every Python block of {page.name} is marked skip or needs a missing module")
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory) -> dict[str, str | None]:
+    """Every page's blocks, run in one child process: page name -> traceback or None."""
+    out = tmp_path_factory.mktemp("docs") / "failures.json"
+    pages = {_name(page): _runnable(page) for page in PAGES}
     done = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps(blocks),
+        [sys.executable, "-c", _RUNNER, str(out)],
+        input=json.dumps({name: blocks for name, blocks in pages.items() if blocks}),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
         cwd=ROOT,
     )
-    assert done.returncode == 0, f"a Python block of {page.name} failed:\n{done.stderr}"
+    assert done.returncode == 0, f"the documentation runner died:\n{done.stderr}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=lambda p: p.name)
+def test_python_blocks_run(page, failures):
+    if _name(page) not in failures:
+        pytest.skip(f"every Python block of {_name(page)} is marked skip or needs a missing module")
+    assert failures[_name(page)] is None, (
+        f"a Python block of {_name(page)} failed:\n{failures[_name(page)]}"
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
