@@ -80,13 +80,19 @@ def test_wheel_and_sdist_contents(dist):
 @pytest.mark.slow
 def test_wheel_runs_the_quick_start_in_a_fresh_environment(dist, tmp_path):
     (wheel,) = dist.glob("*.whl")
+    # Nothing of the source tree on the path: a PYTHONPATH to src/ (and an egg-info an
+    # editable install left there) would make pip think the package is already installed.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env = tmp_path / "env"
     _run(sys.executable, "-m", "venv", env)
     python = env / ("Scripts" if os.name == "nt" else "bin") / "python"
-    site = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    site = _run(
+        python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", env=clean
+    )
+    _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", wheel, env=clean)
+    # After the install, so pip never sees what the outer environment has installed.
     torch_site = Path(torch.__file__).resolve().parent.parent
     Path(site.stdout.strip(), "outer_torch.pth").write_text(f"{torch_site}\n")
-    _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", wheel)
 
     check = f"""
 import importlib.resources
@@ -96,5 +102,4 @@ assert linear_ce.__file__.startswith({str(env)!r}), linear_ce.__file__
 assert linear_ce.__version__ == {_pyproject_version()!r}, linear_ce.__version__
 assert (importlib.resources.files("linear_ce") / "py.typed").is_file()
 """
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     _run(python, "-c", check + _quick_start(), cwd=tmp_path, env=clean)
