@@ -12,13 +12,16 @@ from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.token_logprobs import TokenLogprobs, token_logprobs
 
 __all__ = [
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOptions",
     "LinearCrossEntropyOutput",
+    "TokenLogprobs",
     "linear_cross_entropy",
     "reference",
+    "token_logprobs",
 ]
 
 # pyproject.toml is the one place the version is written; the installed metadata carries it.

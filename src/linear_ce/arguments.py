@@ -17,6 +17,8 @@ from typing import NoReturn
 
 import torch
 
+from linear_ce.transform import LogitTransform
+
 __all__ = [
     "Call",
     "Shapes",
@@ -55,7 +57,8 @@ class Call:
     allows), ``linear_weight`` ``(C, P, F)``, ``linear_bias`` ``(C, P)``,
     ``target`` ``(N, P)`` class indices or ``(N, C, P)`` probabilities,
     ``token_weight`` ``(N, P)``. ``loss_shape`` is the shape of the
-    ``reduction="none"`` result.
+    ``reduction="none"`` result. ``logit_scale`` and ``temperature`` (checked by
+    :func:`linear_ce.transform.check_scales`) complete the logits transform.
     """
 
     input: torch.Tensor
@@ -72,6 +75,13 @@ class Call:
     softcap: float | None
     loss_shape: tuple[int, ...]
     weight_shape: tuple[int, ...]
+    logit_scale: float = 1.0
+    temperature: float = 1.0
+
+    @property
+    def transform(self) -> LogitTransform:
+        """The logits transform of this call (:mod:`linear_ce.transform`)."""
+        return LogitTransform(self.logit_scale, self.softcap, self.temperature)
 
 
 @dataclasses.dataclass(frozen=True)
