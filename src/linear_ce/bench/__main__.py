@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", default="bench-out/bench.json", help="JSON output path")
     parser.add_argument("--plot", default="bench-out/bench.png", help="PNG output path")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="measure nothing: print the table and draw --plot from a stored run's JSON",
+    )
     args = parser.parse_args(argv)
     try:
         args.shape_list = config.parse_shapes(args.shapes)
@@ -106,8 +112,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _title(meta: dict) -> str:
+    info = meta["machine"]
+    return (
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+        + (f", {info['gpu']}" if meta["device"] == "cuda" and "gpu" in info else "")
+        + f"; median of {meta['repeats']} interleaved repeats"
+    )
+
+
+def _replot(args: argparse.Namespace) -> int:
+    """The table and the plot of a stored run; the swept dimension is the one that varies."""
+    from rich.console import Console
+
+    meta, summaries = report.read_json(Path(args.replot))
+    varies = [d for d in "NDV" if len({getattr(p, d) for p, _ in summaries}) > 1]
+    Console(width=None if sys.stdout.isatty() else 132).print(report.table(summaries, _title(meta)))
+    report.write_plot(summaries, varies[0] if varies else "V", Path(args.plot), _title(meta))
+    print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        return _replot(args)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -155,12 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             ["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])]
         ),
     }
-    info = meta["machine"]
-    title = (
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
-        + (f", {info['gpu']}" if args.device == "cuda" and "gpu" in info else "")
-        + f"; median of {args.repeats} interleaved repeats"
-    )
+    title = _title(meta)
     console.print(report.table(summaries, title))
     dim = args.sweep_spec[0] if args.sweep_spec else "V"
     report.write_plot([s for s in summaries if s[0].swept], dim, Path(args.plot), title)
