@@ -132,9 +132,15 @@ def _setup(variant: Variant) -> str:
 
 
 @pytest.fixture(scope="module")
-def peaks() -> dict[str, int]:
-    """The transient peak of every variant, in bytes (one process, a fork per variant)."""
-    names = list(VARIANTS)
+def peaks(request) -> dict[str, int]:
+    """The transient peak of every variant this session runs a test of, in bytes (one
+    process, a fork per variant)."""
+    selected = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and hasattr(item, "callspec")
+    }
+    names = [n for n in VARIANTS if n in selected]
     measured = transient_peaks(_PREAMBLE, [(_setup(VARIANTS[n]), "step()") for n in names])
     return dict(zip(names, measured, strict=True))
 
