@@ -174,7 +174,7 @@ def _apply(text: str, mutation: Mutation) -> str:
 def _pytest(scratch: Path, args: tuple[str, ...]) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(scratch / "src")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-x", "-q", "--tb=line", "-p", "no:cacheprovider", *args],
         cwd=scratch,
         env=env,
         capture_output=True,
@@ -182,7 +182,10 @@ def _pytest(scratch: Path, args: tuple[str, ...]) -> tuple[int, str]:
         check=False,
     )
     lines = (done.stdout + done.stderr).strip().splitlines()
-    return done.returncode, lines[-1] if lines else ""
+    # With --tb=line a failure is one "path:line: Error: message" line: show the first.
+    failure = next((line for line in lines if "Error" in line and ".py:" in line), "")
+    summary = lines[-1] if lines else ""
+    return done.returncode, f"{summary}; {failure[:300]}" if failure else summary
 
 
 def _copy(scratch: Path) -> None:
