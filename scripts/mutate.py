@@ -51,6 +51,10 @@ def _drop_module_argument(argument: str) -> Mutation:
         "label_smoothing": "            label_smoothing=self.label_smoothing,\n",
         "reduction": "            reduction=self.reduction,\n",
         "options": "            options=self.options,\n",
+        "ignore_index": "            ignore_index=self.ignore_index,\n",
+        "z_loss": "            z_loss=self.z_loss,\n",
+        "softcap": "            softcap=self.softcap,\n",
+        "extras": "            **extras,\n",
     }[argument]
     return Mutation(
         f"module forward drops {argument}=",
@@ -63,7 +67,17 @@ def _drop_module_argument(argument: str) -> Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     *(
         _drop_module_argument(a)
-        for a in ("linear_bias", "weight", "label_smoothing", "reduction", "options")
+        for a in (
+            "linear_bias",
+            "weight",
+            "label_smoothing",
+            "reduction",
+            "options",
+            "ignore_index",
+            "z_loss",
+            "softcap",
+            "extras",
+        )
     ),
     Mutation(
         "reference z-loss rows without class and ignore weighting",
@@ -182,8 +196,8 @@ def _pytest(scratch: Path, args: tuple[str, ...]) -> tuple[int, str]:
         check=False,
     )
     lines = (done.stdout + done.stderr).strip().splitlines()
-    # With --tb=line a failure is one "path:line: Error: message" line: show the first.
-    failure = next((line for line in lines if "Error" in line and ".py:" in line), "")
+    # With --tb=line a failure is one "path:line: message" line: show the first.
+    failure = next((line for line in lines if line.startswith(str(scratch))), "")
     summary = lines[-1] if lines else ""
     return done.returncode, f"{summary}; {failure[:300]}" if failure else summary
 

@@ -123,6 +123,7 @@ def test_forward_matches_float64_formula(name):
     else:
         assert isinstance(out, torch.Tensor)
     for key, value in got.items():
+        assert value is not None, f"{name}: no {key}"
         assert value.shape == ref[key].shape, (key, tuple(value.shape), tuple(ref[key].shape))
     errors = {k: rel_err(got[k], ref[k]) for k in got}
     bad = {k: f"{v / eps(torch.float64):.1f} eps" for k, v in errors.items() if not v <= TOL}
