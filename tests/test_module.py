@@ -148,6 +148,7 @@ def test_options_reach_the_function():
 @pytest.mark.parametrize("out_features", [(), (2, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None], ids=str)
 def test_parameters_shapes_dtype_and_initialisation(dtype, out_features, bias):
+    torch.manual_seed(0)
     module = LinearCrossEntropyLoss(
         FEATURES, CLASSES, out_features=out_features, bias=bias, dtype=dtype, device="cpu"
     )
