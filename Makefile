@@ -39,4 +39,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out build dist

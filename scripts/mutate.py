@@ -102,28 +102,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_combinations.py", "-k", "reference"),
     ),
     Mutation(
-        "reference lse of the logits before softcap",
+        "reference lse of the logits before the transform",
         "src/linear_ce/reference.py",
         (
             (
-                "    if call.softcap is not None:\n        logits = call.softcap",
-                "    raw = logits\n    if call.softcap is not None:\n        logits = call.softcap",
+                "    logits = transform.plain(logits)\n",
+                "    raw, logits = logits, transform.plain(logits)\n",
             ),
-            (
-                "lse = torch.logsumexp(logits, dim=1)",
-                "lse = torch.logsumexp(raw, dim=1)",
-            ),
+            ("lse = torch.logsumexp(logits, dim=1)", "lse = torch.logsumexp(raw, dim=1)"),
         ),
         ("tests/test_combinations.py", "-k", "reference"),
     ),
-    # The chunk loop (src/linear_ce/chunked.py) is being rewritten; keep its mutations
-    # few and their anchors short.
+    # The chunk loop and its heads are young; keep their mutations few and their anchors short.
     Mutation(
-        "chunk loop weights every K-dim position with position 0's token weight",
-        "src/linear_ce/chunked.py",
+        "cross-entropy head weights every K-dim position with position 0's token weight",
+        "src/linear_ce/losses/cross_entropy.py",
         (
-            ("* terms.token[start:stop, p]", "* terms.token[start:stop, 0]"),
-            ("r = terms.scale[start:stop, p]", "r = terms.scale[start:stop, 0]"),
+            ("loss * terms.token[rows, p]", "loss * terms.token[rows, 0]"),
+            ("r = terms.scale[rows, p] * factor", "r = terms.scale[rows, 0] * factor"),
         ),
         ("tests/test_combinations.py", "-k", "chunked and kdim"),
     ),
@@ -132,6 +128,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/linear_ce/rows.py",
         (("        total = omega.sum()\n", "        total = (omega * token).sum()\n"),),
         ("tests/test_combinations.py", "-k", "chunked and mean"),
+    ),
+    Mutation(
+        "temperature forgotten without a softcap",
+        "src/linear_ce/transform.py",
+        (
+            (
+                "            if self.temperature != 1.0:\n                logits.div_(self.temperature)\n            return",
+                "            return",
+            ),
+        ),
+        ("tests/test_combinations.py", "-k", "chunked and temperature"),
     ),
     Mutation(
         "capability check always answers False",

@@ -2,8 +2,9 @@ r"""The loss of every option combination, written out in float64 (the tests' ref
 
 For row :math:`i` of the flattened batch and position :math:`p` of a
 K-dimensional loss (``P = d1·…·dK`` positions; one without), the logits are
-:math:`s_{icp} = x_i \cdot W_{cp} + b_{cp}`, softcapped to
-:math:`c\,\tanh(s/c)`; :math:`\mathrm{lse}_{ip} = \log\sum_c e^{s_{icp}}` and
+:math:`s_{icp} = (x_i \cdot W_{cp} + b_{cp})\,\sigma`, softcapped to
+:math:`c\,\tanh(s/c)`, then divided by the temperature :math:`T`;
+:math:`\mathrm{lse}_{ip} = \log\sum_c e^{s_{icp}}` and
 :math:`l_{icp} = s_{icp} - \mathrm{lse}_{ip}`. With class weights :math:`w`
 (ones if none), label smoothing :math:`\varepsilon` and :math:`C` classes the
 target weights are
@@ -19,7 +20,8 @@ with token weight :math:`\tau` and z-loss :math:`\lambda`; "sum" adds the rows,
 "mean" divides that sum by :math:`\sum\omega` (no token weights in it). The
 z-loss term alone is reduced the same way. ``shift=k`` scores position ``t``
 of the sequence (the last batch dimension) against label ``t + k`` and ignores
-the last ``k`` positions. Nothing here calls ``cross_entropy``.
+the last ``k`` positions. The reported lse of an ignored row is 0 (no loss is
+computed for it). Nothing here calls ``cross_entropy``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def loss_formula(
     softcap: float | None = None,
     shift: int = 0,
     token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
     upstream: torch.Tensor | float = 1.0,
 ) -> Expected:
     """The module doc's formula in float64 for ``x`` ``(*batch, F)``, ``W``
@@ -80,8 +84,10 @@ def loss_formula(
     )
     if b64 is not None:
         s = s + b64.reshape(1, classes, positions)
+    s = s * logit_scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    s = s / temperature
     lse = torch.logsumexp(s, dim=1)
     log_p = s - lse[:, None, :]
 
@@ -93,6 +99,7 @@ def loss_formula(
         q = target.detach().double().reshape(rows, classes, positions)
         a = w[None, :, None] * ((1 - eps) * q + eps / classes)
         omega = torch.ones(rows, positions, dtype=torch.float64)
+        reported_lse = lse
     else:
         labels = target.long()
         if shift:
@@ -104,6 +111,7 @@ def loss_formula(
         one_hot.scatter_(1, safe[:, None, :], 1.0)
         a = valid[:, None, :] * w[None, :, None] * ((1 - eps) * one_hot + eps / classes)
         omega = valid * w[safe]
+        reported_lse = torch.where(labels != ignore_index, lse, 0.0)
 
     tau = torch.ones(rows, positions, dtype=torch.float64)
     if token_weight is not None:
@@ -120,4 +128,5 @@ def loss_formula(
     leaves = [t for t in (x64, W64, b64) if t is not None]
     found = iter(torch.autograd.grad(loss, leaves, upstream))
     grads = [next(found) if t is not None else None for t in (x64, W64, b64)]
-    return Expected(loss.detach(), z_term.detach(), lse.reshape(*batch, *out).detach(), grads)
+    lse_out = reported_lse.reshape(*batch, *out).detach()
+    return Expected(loss.detach(), z_term.detach(), lse_out, grads)

@@ -9,7 +9,7 @@ within ``6·eps(float64)`` (the formula rounds as much as the result does).
 The grid: both output layouts (one position; K-dimensional ``(2, 3)``), both target kinds and every reduction, each with no extra, each
 extra alone and all extras together — so each pair of extras is seen both on,
 each on with the other off, and both off. The extras: token weights, softcap,
-z-loss, label smoothing, class weights, bias, the returned lse and z-loss term,
+logit scale, temperature, z-loss, label smoothing, class weights, bias, the returned lse and z-loss term,
 ignored rows (class-index targets) and shift (class-index targets without
 K-dimensional positions, the only place it is accepted).
 """
@@ -41,7 +41,17 @@ FUNCTIONS = {
 
 
 def _extras(layout: str, prob: bool) -> tuple[str, ...]:
-    extras = ["token_weight", "softcap", "z_loss", "smoothing", "class_weight", "bias", "returns"]
+    extras = [
+        "token_weight",
+        "softcap",
+        "logit_scale",
+        "temperature",
+        "z_loss",
+        "smoothing",
+        "class_weight",
+        "bias",
+        "returns",
+    ]
     if not prob:
         extras.append("ignore")
         if layout == "flat":
@@ -92,6 +102,10 @@ def _case(layout: str, prob: bool, reduction: str, chosen: tuple[str, ...]) -> d
         kwargs["z_loss"] = 0.05
     if "softcap" in chosen:
         kwargs["softcap"] = 1.5
+    if "logit_scale" in chosen:
+        kwargs["logit_scale"] = 1.7
+    if "temperature" in chosen:
+        kwargs["temperature"] = 0.6
     if "shift" in chosen:
         kwargs["shift"] = 1
     if "token_weight" in chosen:

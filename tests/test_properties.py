@@ -101,7 +101,8 @@ def plain_expression(
         z_term = z_rows.sum()
     else:
         z_term = z_rows.sum() / omega.sum()
-    return loss, z_term.detach(), lse.detach()
+    # lse is reported for the rows that carry a loss only (ignored rows are never computed).
+    return loss, z_term.detach(), torch.where(valid, lse, 0.0).detach()
 
 
 def build_call(choose, number, dtypes=DTYPES):
@@ -414,7 +415,9 @@ def _truth(case):
             case["upstream"] * tau / total,
         )
     G = r[:, None] * ((a.sum(axis=1) + 2 * z * omega * lse)[:, None] * p - a) * dcap
-    truth = (loss, z_term, lse, gathered(G, x, Wp))
+    # lse is reported for the rows that carry a loss only (ignored rows are never computed).
+    reported_lse = lse if case["prob"] else np.where(valid, lse, 0)
+    truth = (loss, z_term, reported_lse, gathered(G, x, Wp))
 
     # Magnitudes of the terms each output sums (|terms| instead of terms; the logits'
     # own rounding scales with |x|·|W|ᵀ + |b|): a result that cancels below these
@@ -576,6 +579,6 @@ def _logits_rounding(case, acc):
         x.dtype,
         x.device,
         case["options"],
-        softcap=case["kwargs"]["softcap"] is not None,
+        tiles=2 if case["kwargs"]["softcap"] is not None else 1,
     )
     return case["dtype"] if isinstance(plan.gemm, NativeHalf) else acc
