@@ -6,12 +6,13 @@ call the definition) are checked against the formula of ``loss_formula``,
 written independently of both: loss, z-loss term, lse and every gradient
 within ``6·eps(float64)`` (the formula rounds as much as the result does).
 
-The grid: both output layouts (one position; K-dimensional ``(2, 3)``), both target kinds and every reduction, each with no extra, each
-extra alone and all extras together — so each pair of extras is seen both on,
-each on with the other off, and both off. The extras: token weights, softcap,
-logit scale, temperature, z-loss, label smoothing, class weights, bias, the returned lse and z-loss term,
-ignored rows (class-index targets) and shift (class-index targets without
-K-dimensional positions, the only place it is accepted).
+The grid: both output layouts (one position; K-dimensional ``(2, 3)``), both
+target kinds and every reduction, each with no extra, each extra alone and all
+extras together — so each pair of extras is seen both on, each on with the
+other off, and both off. The extras: token weights, softcap, logit scale,
+temperature, z-loss, label smoothing, class weights, bias, the returned lse and
+z-loss term, ignored rows (class-index targets) and shift (class-index targets
+without K-dimensional positions, the only place it is accepted).
 """
 
 from __future__ import annotations
