@@ -389,9 +389,7 @@ def _count_collectives(rank: int, world: int) -> list[str]:
                 (per_pass, chunks, 1, 0),
             )
         )
-        checks.append(
-            ("none backward", counted(backward), (per_pass + 1, chunks, 0, 1))
-        )
+        checks.append(("none backward", counted(backward), (per_pass + 1, chunks, 0, 1)))
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     return [

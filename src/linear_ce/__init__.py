@@ -7,12 +7,13 @@
 
 import importlib.metadata
 
-from linear_ce import reference
+from linear_ce import objectives, reference
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.token_logprobs import TokenLogprobs, token_logprobs
+from linear_ce.token_objective import token_objective
 
 __all__ = [
     "LinearCrossEntropyLoss",
@@ -20,8 +21,10 @@ __all__ = [
     "LinearCrossEntropyOutput",
     "TokenLogprobs",
     "linear_cross_entropy",
+    "objectives",
     "reference",
     "token_logprobs",
+    "token_objective",
 ]
 
 # pyproject.toml is the one place the version is written; the installed metadata carries it.

@@ -124,17 +124,20 @@ class TokenLogprobHead:
         factor: float,
     ) -> torch.Tensor:
         z = stats.sum_exp
-        g = (
-            torch.zeros_like(z)
-            if self.grad_logprob is None
-            else self.grad_logprob[rows, p].to(z.dtype) * factor
-        )
-        if self.grad_entropy is None:
+        g, h = self.upstream(rows, p)
+        g = torch.zeros_like(z) if g is None else g.to(z.dtype) * factor
+        if h is None:
             out = e.mul_((-g / z)[:, None])
         else:
-            h = self.grad_entropy[rows, p].to(z.dtype) * factor
+            h = h.to(z.dtype) * factor
             out = u.sub_(self.row_mean_u[:, None]).mul_(e).mul_((-h / z)[:, None])
             out.addcmul_(e, (-g / z)[:, None])
-        if self.grad_logprob is not None:
-            out.scatter_add_(1, self.safe_t, (g * self.owned)[:, None])
+        out.scatter_add_(1, self.safe_t, (g * self.owned)[:, None])
         return out
+
+    def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The chunk's upstream gradients of logprob and entropy (``None``: none flows)."""
+        return (
+            None if self.grad_logprob is None else self.grad_logprob[rows, p],
+            None if self.grad_entropy is None else self.grad_entropy[rows, p],
+        )
