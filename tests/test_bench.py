@@ -110,8 +110,9 @@ def test_masked_and_head_points():
         [(8, 4, 16)], ["fp32", "bf16"], "cpu", None, ["fp32"], (0.75,), ("ce", "logprobs")
     )
     extra = [(p.dtype, p.ignored, p.head) for p in points if not p.swept]
-    assert extra == [("fp32", 0.0, "logprobs"), ("fp32", 0.75, "ce")]
-    assert "75% ignored" in points[-2].label or "75% ignored" in points[-1].label
+    assert extra == [("fp32", 0.75, "ce"), ("fp32", 0.0, "logprobs")]
+    assert points[-2].label == "N=8 D=4 V=16 fp32 75% ignored"
+    assert points[-1].label == "N=8 D=4 V=16 fp32 logprobs"
 
 
 def test_bad_cli_values():
