@@ -10,8 +10,9 @@ Two ops, because their autograd differs:
   into the row scale (one extra logits GEMM per chunk, no ``(N, V)`` state).
 
 Both take the flattened call of :class:`linear_ce.arguments.Call` and return
-``(loss, z_loss, lse, ...)``; ``z_loss`` and ``lse`` are for logging and get
-no gradient.
+``(loss, z_loss, lse, ...)`` in the accumulation dtype (the public function
+rounds the loss to the dtype it reports); ``z_loss`` and ``lse`` are for
+logging and get no gradient.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def chunked_scalar(
     plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype), tiles)
     terms, head, grads = run_cross_entropy(call, plan, needs=needs)
     return (
-        terms.reduce(head.row_loss).to(input.dtype),
+        terms.reduce(head.row_loss),
         terms.reduce(terms.z_rows(head.lse)).to(plan.acc_dtype),
         head.lse,
         *_gradient_outputs(grads, input),
@@ -189,7 +190,7 @@ def _fake_outputs(input, linear_weight, acc_dtype, loss_shape, needs):
     lse_shape = (input.shape[0], linear_weight.shape[1])
     grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:2])
     return (
-        input.new_empty(loss_shape),
+        input.new_empty(loss_shape, dtype=acc),
         input.new_empty(loss_shape, dtype=acc),
         input.new_empty(lse_shape, dtype=acc),
         *(
@@ -334,7 +335,7 @@ def chunked_rows(
     plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype), tiles)
     terms, head, grads = run_cross_entropy(call, plan, needs=needs, grad_output=grad_output)
     return (
-        head.row_loss.to(input.dtype),
+        head.row_loss,
         terms.z_rows(head.lse),
         head.lse,
         *_gradient_outputs(grads, input),

@@ -331,7 +331,11 @@ def _loss_through_head(
             dtype = torch.get_autocast_dtype(device)
             input, weight = input.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        return linear_cross_entropy(input, weight, target, linear_bias=bias, **loss_args)
+        # The model's own loss upcasts the logits: report the loss at fp32, unrounded.
+        wide = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else None
+        return linear_cross_entropy(
+            input, weight, target, linear_bias=bias, loss_dtype=wide, **loss_args
+        )
 
     own_forward = vars(head).get("forward")
     head.forward = loss_forward
