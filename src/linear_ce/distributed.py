@@ -49,15 +49,22 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from linear_ce.arguments import Call, check_call
-from linear_ce.chunked import tiles_for
+from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
+from linear_ce.losses.token_logprob import TokenLogprobHead
 from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, make_plan
+from linear_ce.token_logprobs import TokenLogprobs
 from linear_ce.transform import check_scales
 
-__all__ = ["VocabShard", "shard_layout", "vocab_parallel_linear_cross_entropy"]
+__all__ = [
+    "VocabShard",
+    "shard_layout",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_token_logprobs",
+]
 
 _NAME = "vocab_parallel_linear_cross_entropy"
 
@@ -383,4 +390,175 @@ def vocab_parallel_linear_cross_entropy(
         loss,
         z_term if return_z_loss else None,
         lse.view(call.loss_shape) if return_lse else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenSpec:
+    call: Call
+    plan: Plan
+    shard: VocabShard
+    entropy: bool
+    top1: bool
+
+
+class _VocabParallelTokenLogprobs(torch.autograd.Function):
+    """Per-token outputs of one shard's call; backward reruns the chunks with the
+    upstream gradients (``2·K`` all_reduce again, plus one of the input gradient)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: _TokenSpec):
+        call, shard = spec.call, spec.shard
+        head = _token_head(call, shard, spec.plan, entropy=spec.entropy, top1=spec.top1)
+        run_chunks(
+            input,
+            weight,
+            bias,
+            head,
+            call.transform,
+            spec.plan,
+            grad_input=False,
+            grad_weight=False,
+            grad_bias=False,
+            vocab=shard,
+        )
+        ctx.spec = spec
+        ctx.save_for_backward(
+            input.detach(), weight.detach(), None if bias is None else bias.detach()
+        )
+        entropy = head.entropy if spec.entropy else input.new_empty((0,), dtype=head.logprob.dtype)
+        top1 = head.top1 if spec.top1 else input.new_empty((0,), dtype=torch.bool)
+        ctx.mark_non_differentiable(top1)
+        ctx.set_materialize_grads(False)
+        return head.logprob, entropy, top1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy, _grad_top1):
+        spec: _TokenSpec = ctx.spec
+        input, weight, bias = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None
+        head = _token_head(
+            spec.call,
+            spec.shard,
+            spec.plan,
+            entropy=False,
+            top1=False,
+            grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy,
+        )
+        grads = run_chunks(
+            input,
+            weight,
+            bias,
+            head,
+            spec.call.transform,
+            spec.plan,
+            grad_input=need_x,
+            grad_weight=need_w,
+            grad_bias=need_b and bias is not None,
+            vocab=spec.shard,
+        )
+        if grads.input is not None:
+            spec.shard.sum_(grads.input)
+        return grads.input, grads.weight, grads.bias, None
+
+
+def _token_head(call: Call, shard: VocabShard, plan: Plan, **flags) -> TokenLogprobHead:
+    return TokenLogprobHead(
+        call.target.long(),
+        call.target != call.ignore_index,
+        shard.start,
+        call.linear_weight.shape[0],
+        plan.acc_dtype,
+        **flags,
+    )
+
+
+def vocab_parallel_token_logprobs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    top1: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> TokenLogprobs:
+    """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input`` and ``target``; every rank gets the same outputs, equal to
+    ``token_logprobs`` on the full weight. The row statistics are combined with the
+    collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
+    rows, in forward and again in backward, plus one all_reduce of the input gradient);
+    the entropy's and top-1's row sums ride in the same SUM all_reduce.
+
+    Example (under ``torchrun``)::
+
+        >>> out = vocab_parallel_token_logprobs(hidden, shard, ids, shift=True, entropy=True)
+    """
+    _reject_dtensors(
+        input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias
+    )
+    if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
+        raise ValueError(
+            f"vocab_parallel_token_logprobs: linear_weight must be this rank's shard "
+            f"(V_local, in_features), got {getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
+        )
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise ValueError(
+            "vocab_parallel_token_logprobs: target must be an integer tensor of token ids"
+        )
+    _require_group(process_group)
+    vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
+    options = resolve_options(options, "vocab_parallel_token_logprobs")
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=None,
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        softcap=softcap,
+        shift=shift,
+        num_classes=num_classes,
+    )
+    check_scales("vocab_parallel_token_logprobs", logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    _check_targets(call, num_classes)
+    rows, in_features = call.input.shape
+    world = dist.get_world_size(process_group)
+    plan = make_plan(
+        rows,
+        in_features,
+        -(-num_classes // world),
+        call.input.dtype,
+        call.input.device,
+        options,
+        tiles=tiles_for(entropy, call.transform, True),
+    )
+    spec = _TokenSpec(
+        call, plan, VocabShard(vocab_start, num_classes, process_group), entropy, top1
+    )
+    logprob, ent, is_top1 = _VocabParallelTokenLogprobs.apply(
+        call.input, call.linear_weight, call.linear_bias, spec
+    )
+    shape = call.loss_shape
+    return TokenLogprobs(
+        logprob.view(shape),
+        ent.view(shape) if entropy else None,
+        is_top1.view(shape) if top1 else None,
     )
