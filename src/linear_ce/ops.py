@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from linear_ce.arguments import Call
 from linear_ce.chunked import ChunkResult, run_chunks
@@ -251,8 +252,10 @@ def hand_over_gradients(
             "to backward more than once"
         )
     # A traced backward (AOT autograd) cannot express handing a forward output over
-    # mutated in place; there the copy is the only correct choice.
-    in_place = not allow_retain_graph and not is_fake(grad_loss)
+    # mutated in place; there the copy is the only correct choice. Its tensors are
+    # functional wrappers, which torch < 2.6's is_fake does not see through.
+    traced = is_fake(grad_loss) or isinstance(grad_loss, FunctionalTensor)
+    in_place = not allow_retain_graph and not traced
     if not allow_retain_graph:
         ctx.grads = [None] * len(stored)
     return [
