@@ -253,7 +253,7 @@ def hand_over_gradients(
         )
     # A traced backward (AOT autograd) cannot express handing a forward output over
     # mutated in place; there the copy is the only correct choice. Its tensors are
-    # functional wrappers, which torch < 2.6's is_fake does not see through.
+    # functional wrappers, which is_fake does not see through on torch 2.5 and 2.6.
     traced = is_fake(grad_loss) or isinstance(grad_loss, FunctionalTensor)
     in_place = not allow_retain_graph and not traced
     if not allow_retain_graph:
