@@ -23,31 +23,32 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The supported-versions matrix (docs/versions.md) beyond `make test`'s torch 2.13
-# CPU build: torch:transformers pairs, each in its own virtual environment under
-# MATRIX_DIR, created on first use and reused while pyproject.toml is unchanged.
-# torch's CUDA builds (several GB each) run on a CPU-only machine too. The editable
-# install is redone before every run, so an environment reused from another clone
-# tests this tree.
+# CPU build: torch:transformers:python rows, each in its own virtual environment
+# MATRIX_DIR/<torch>-<transformers>-<python>, created on first use and reused while
+# pyproject.toml is unchanged. torch's CUDA builds (several GB each) run on a
+# CPU-only machine too. PYENV_VERSION lets pyenv's shims find a Python that is not
+# the active one; without pyenv, python3.X must be on PATH. The editable install is
+# redone before every run, so an environment reused from another clone tests this tree.
 MATRIX_DIR ?= .venv-matrix
-MATRIX ?= 2.6.0:4.46.3 2.11.0:4.57.6 2.14.1:5.24.0
-MATRIX_TORCH := $(foreach pair,$(MATRIX),$(firstword $(subst :, ,$(pair))))
-transformers_for = $(lastword $(subst :, ,$(filter $(1):%,$(MATRIX))))
+MATRIX ?= 2.6.0:4.46.3:3.10 2.11.0:4.57.6:3.11 2.14.1:5.24.0:3.11
+MATRIX_ENVS := $(subst :,-,$(MATRIX))
+pin = $(word $(2),$(subst -, ,$(1)))
 
-$(MATRIX_DIR)/torch-%/.installed: pyproject.toml
-	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+$(MATRIX_DIR)/%/.installed: pyproject.toml
+	test -x $(@D)/bin/python || PYENV_VERSION=$(call pin,$*,3) python$(call pin,$*,3) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip
-	$(@D)/bin/python -m pip install -q "torch==$*" "transformers==$(call transformers_for,$*)" -e ".[dev]"
+	$(@D)/bin/python -m pip install -q "torch==$(call pin,$*,1)" "transformers==$(call pin,$*,2)" -e ".[dev]"
 	touch $@
 
-test-matrix: $(foreach v,$(MATRIX_TORCH),$(MATRIX_DIR)/torch-$(v)/.installed)
+test-matrix: $(foreach env,$(MATRIX_ENVS),$(MATRIX_DIR)/$(env)/.installed)
 	failed=""; \
-	for v in $(MATRIX_TORCH); do \
-		echo "== torch $$v, transformers $$($(MATRIX_DIR)/torch-$$v/bin/python -c 'import transformers; print(transformers.__version__)')"; \
-		$(MATRIX_DIR)/torch-$$v/bin/python -m pip install -q --no-deps -e . \
-			&& $(MATRIX_DIR)/torch-$$v/bin/python -m pytest -q -x -p no:cacheprovider \
-			|| failed="$$failed $$v"; \
+	for env in $(MATRIX_ENVS); do \
+		echo "== torch, transformers, python: $$env"; \
+		$(MATRIX_DIR)/$$env/bin/python -m pip install -q --no-deps -e . \
+			&& $(MATRIX_DIR)/$$env/bin/python -m pytest -q -x -p no:cacheprovider \
+			|| failed="$$failed $$env"; \
 	done; \
-	test -z "$$failed" || { echo "test-matrix failed on torch$$failed"; exit 1; }
+	test -z "$$failed" || { echo "test-matrix failed on:$$failed"; exit 1; }
 
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
