@@ -62,4 +62,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests examples
 
 clean:
-	rm -rf $(VENV) $(MATRIX_DIR) .pytest_cache .ruff_cache .hypothesis bench-out
+	rm -rf $(VENV) $(MATRIX_DIR) .pytest_cache .ruff_cache .hypothesis bench-out build dist

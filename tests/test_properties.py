@@ -88,7 +88,8 @@ def plain_expression(
         z_term = z_rows.sum()
     else:
         z_term = z_rows.sum() / omega.sum()
-    return loss, z_term.detach(), lse.detach()
+    # lse is reported for the rows that carry a loss only (ignored rows are never computed).
+    return loss, z_term.detach(), torch.where(valid, lse, 0.0).detach()
 
 
 @st.composite
@@ -327,7 +328,9 @@ def _truth(case):
             case["upstream"] * tau / total,
         )
     G = r[:, None] * ((a.sum(axis=1) + 2 * z * omega * lse)[:, None] * p - a) * dcap
-    truth = (loss, z_term, lse, [G @ W, G.T @ x, G.sum(axis=0)])
+    # lse is reported for the rows that carry a loss only (ignored rows are never computed).
+    reported_lse = lse if case["prob"] else np.where(valid, lse, 0)
+    truth = (loss, z_term, reported_lse, [G @ W, G.T @ x, G.sum(axis=0)])
 
     # Magnitudes of the terms each output sums (|terms| instead of terms; the logits'
     # own rounding scales with |x|·|W|ᵀ + |b|): a result that cancels below these
@@ -434,6 +437,6 @@ def _logits_rounding(case, acc):
         x.dtype,
         x.device,
         case["options"],
-        softcap=case["kwargs"]["softcap"] is not None,
+        tiles=2 if case["kwargs"]["softcap"] is not None else 1,
     )
     return case["dtype"] if isinstance(plan.gemm, NativeHalf) else acc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -10,6 +11,7 @@ from linear_ce.arguments import check_call
 from linear_ce.ops import chunked_rows, chunked_scalar
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.transform import check_scales
 
 __all__ = ["linear_cross_entropy"]
 
@@ -49,6 +51,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r"""Cross entropy of a linear projection, without materialising the logits.
 
@@ -95,6 +99,12 @@ def linear_cross_entropy(
             ignored. The hidden states are not copied.
         token_weight: ``(*)`` per-row weights :math:`\tau` multiplied into each
             row's loss; the "mean" denominator does not include them.
+        logit_scale: :math:`\sigma > 0`; the logits are ``(input Wᵀ + b)·σ`` before the
+            softcap (Cohere, Granite, Falcon-H1 scale their logits).
+        temperature: :math:`T > 0`; the (softcapped) logits are divided by it last.
+
+    Rows whose target is ``ignore_index`` cost nothing: they take part in no GEMM;
+    their ``"none"`` loss, lse and gradient are exactly zero.
 
     Returns:
         The loss, or :class:`LinearCrossEntropyOutput` ``(loss, z_loss, lse)``
@@ -123,6 +133,8 @@ def linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
     )
+    check_scales("linear_cross_entropy", logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
     options = resolve_options(options, "linear_cross_entropy")
     shared = (
         call.input,
@@ -146,7 +158,7 @@ def linear_cross_entropy(
             call.ignore_index,
             call.label_smoothing,
             call.z_loss,
-            call.softcap,
+            call.transform.as_list(),
             *settings,
             False,
             False,
@@ -165,7 +177,7 @@ def linear_cross_entropy(
             call.ignore_index,
             call.label_smoothing,
             call.z_loss,
-            call.softcap,
+            call.transform.as_list(),
             *settings,
             allow_retain_graph,
             grad_on and call.input.requires_grad,
