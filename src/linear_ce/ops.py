@@ -16,6 +16,9 @@ no gradient.
 
 from __future__ import annotations
 
+# Sequence, not list, in op signatures: torch 2.6's schema inference rejects list[float].
+from collections.abc import Sequence
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -134,7 +137,7 @@ def chunked_scalar(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    transform: list[float],
+    transform: Sequence[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
@@ -300,7 +303,7 @@ def chunked_rows(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    transform: list[float],
+    transform: Sequence[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
