@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-matrix bench lint format clean
+.PHONY: test test-matrix bench lint format clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ test-matrix: $(foreach env,$(MATRIX_ENVS),$(MATRIX_DIR)/$(env)/.installed)
 
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
+
+# Not part of `make test`: applies each deliberate mistake of scripts/mutate.py to a
+# scratch copy and reports the ones the suite lets through (a few minutes).
+mutate: $(STAMP)
+	$(PY) scripts/mutate.py $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples

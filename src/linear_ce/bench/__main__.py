@@ -58,14 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ignored",
         default="0.75",
         help="shares of targets set to the ignore index, each measured at the first shape "
-        "in every dtype (rows then cost no GEMM in linear_ce); 'none' to skip (default 0.75)",
+        "in the first dtype (rows then cost no GEMM in linear_ce); 'none' to skip "
+        "(default 0.75)",
     )
     parser.add_argument(
         "--heads",
-        default="ce,logprobs",
-        help="what is computed: 'ce' (the loss; every shape and the sweep) and "
-        "'logprobs' (per-token log-probabilities and entropy with upstream gradients on "
-        "both, at the first shape in every dtype) (default ce,logprobs)",
+        default="ce,logprobs,objective",
+        help="what is computed: 'ce' (the loss; every shape and the sweep), 'logprobs' "
+        "(per-token log-probabilities and entropy with upstream gradients on both) and "
+        "'objective' (a clipped policy-gradient step), the last two at the first shape in "
+        "the first dtype (default ce,logprobs,objective)",
     )
     parser.add_argument(
         "--repeats",

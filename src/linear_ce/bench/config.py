@@ -36,9 +36,10 @@ _SHORT = {
 }
 
 
-#: The heads a point can measure: the cross-entropy loss, or per-token log-probabilities
-#: and entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both.
-HEADS = ("ce", "logprobs")
+#: The heads a point can measure: the cross-entropy loss; per-token log-probabilities and
+#: entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both; a PPO/GRPO
+#: clipped policy-gradient step (:func:`linear_ce.token_objective`).
+HEADS = ("ce", "logprobs", "objective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +160,9 @@ def points(
 
     The sweep varies one dimension of the first shape (the shape itself is
     one of its points) in ``sweep_dtypes``; duplicates are measured once.
-    Each share in ``ignored`` adds the first shape in every dtype with that share of
-    targets ignored; each head other than ``"ce"`` adds the first shape in every dtype.
+    Each share in ``ignored`` adds the first shape in the first dtype with that share of
+    targets ignored; each head other than ``"ce"`` adds the first shape in the first dtype
+    (``--dtype bf16`` measures them in bf16).
     """
     result: list[Point] = []
     for dtype in dtypes:
@@ -174,9 +176,8 @@ def points(
                 sizes = {"N": n, "D": d, "V": v, dim: value}
                 result.append(Point(sizes["N"], sizes["D"], sizes["V"], dtype, device))
     n, d, v = shapes[0]
-    for dtype in dtypes:
-        result.extend(Point(n, d, v, dtype, device, ignored=share) for share in ignored)
-        result.extend(Point(n, d, v, dtype, device, head=head) for head in heads if head != "ce")
+    result.extend(Point(n, d, v, dtypes[0], device, ignored=share) for share in ignored)
+    result.extend(Point(n, d, v, dtypes[0], device, head=head) for head in heads if head != "ce")
     unique = list(dict.fromkeys(result))
     return sorted(
         unique,

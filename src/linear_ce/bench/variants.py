@@ -106,6 +106,50 @@ def _train_logprobs(fn) -> Build:
     return build
 
 
+def _rl_side(t: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Old log-probabilities, advantages and token-mean weights of a GRPO-like step."""
+    gen = torch.Generator().manual_seed(2)
+    valid = (t != -100).to(dtype)
+    return {
+        "old_logprob": (-torch.rand(t.shape, generator=gen) * 3).to(t.device, dtype),
+        "advantage": torch.randn(t.shape, generator=gen).to(t.device, dtype),
+        "weight": valid / valid.sum().clamp(min=1),
+    }
+
+
+def _surrogate(logprob, old_logprob, advantage, weight):
+    ratio = torch.exp(logprob - old_logprob)
+    clipped = ratio.clamp(0.8, 1.2)
+    return (-torch.min(ratio * advantage, clipped * advantage) * weight).sum()
+
+
+def _objective(kind: str) -> Build:
+    def build(x, w, t):
+        side = _rl_side(t, torch.float32 if x.dtype in _HALF else x.dtype)
+
+        def call():
+            import linear_ce
+
+            if kind == "linear_ce":
+                linear_ce.token_objective(
+                    x, w, t, linear_ce.objectives.clipped_policy_gradient(0.2, 0.2), **side
+                ).backward()
+                return
+            if kind == "logprobs":
+                lp = linear_ce.token_logprobs(x, w, t).logprob
+            else:
+                lp, _ = _plain_logprobs(x, w, t)
+            _surrogate(lp, **side).backward()
+
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
+        return call
+
+    return build
+
+
 def _floor_fwd(x, w, t):
     dtype = (
         x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
@@ -315,6 +359,30 @@ VARIANTS: dict[str, Variant] = {
             "linear_ce.token_logprobs(entropy=True); backward of both",
             ("logprobs",),
         ),
+        Variant(
+            "objective-plain",
+            "train",
+            _objective("plain"),
+            _always,
+            "clipped policy gradient on log_softmax of the full logits",
+            ("objective",),
+        ),
+        Variant(
+            "objective-logprobs",
+            "train",
+            _objective("logprobs"),
+            _always,
+            "linear_ce.token_logprobs, then the same objective outside (4 GEMMs)",
+            ("objective",),
+        ),
+        Variant(
+            "objective-linear_ce",
+            "train",
+            _objective("linear_ce"),
+            _always,
+            "linear_ce.token_objective(clipped_policy_gradient) (3 GEMMs)",
+            ("objective",),
+        ),
     ]
 }
 
@@ -333,6 +401,9 @@ DEFAULT = (
     "linear_ce-fwd",
     "logprobs-plain",
     "logprobs-linear_ce",
+    "objective-plain",
+    "objective-logprobs",
+    "objective-linear_ce",
 )
 
 
