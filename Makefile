@@ -32,6 +32,7 @@ test: $(STAMP)
 MATRIX_DIR ?= .venv-matrix
 MATRIX ?= 2.6.0:4.46.3:3.10 2.11.0:4.57.6:3.11 2.14.1:5.24.0:3.11
 MATRIX_ENVS := $(subst :,-,$(MATRIX))
+MATRIX_PYTEST_ARGS ?= -q -x -p no:cacheprovider
 pin = $(word $(2),$(subst -, ,$(1)))
 
 $(MATRIX_DIR)/%/.installed: pyproject.toml
@@ -45,7 +46,7 @@ test-matrix: $(foreach env,$(MATRIX_ENVS),$(MATRIX_DIR)/$(env)/.installed)
 	for env in $(MATRIX_ENVS); do \
 		echo "== torch, transformers, python: $$env"; \
 		$(MATRIX_DIR)/$$env/bin/python -m pip install -q --no-deps -e . \
-			&& $(MATRIX_DIR)/$$env/bin/python -m pytest -q -x -p no:cacheprovider \
+			&& $(MATRIX_DIR)/$$env/bin/python -m pytest $(MATRIX_PYTEST_ARGS) \
 			|| failed="$$failed $$env"; \
 	done; \
 	test -z "$$failed" || { echo "test-matrix failed on:$$failed"; exit 1; }
