@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call
+from linear_ce.arguments import Call, check_call, with_scales
 from linear_ce.chunked import tiles_for
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.ops import _check_targets, hand_over_gradients
@@ -345,7 +345,7 @@ def vocab_parallel_linear_cross_entropy(
         num_classes=num_classes,
     )
     check_scales(_NAME, logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     _check_targets(call, num_classes)
 
     rows, in_features = call.input.shape
