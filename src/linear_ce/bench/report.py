@@ -142,6 +142,11 @@ COLORS = {
     "liger": "#004d40",
     "floor-fwd": "#a0a0a0",
     "linear_ce-fwd": "#1f4fd6",
+    "logprobs-plain": "#6b8e23",
+    "logprobs-linear_ce": "#8b0000",
+    "objective-plain": "#00ff7f",
+    "objective-logprobs": "#4b0082",
+    "objective-linear_ce": "#ffa07a",
 }
 
 
