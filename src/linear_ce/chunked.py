@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from linear_ce.accumulate import weight_grad_sum
 from linear_ce.arguments import Call
 from linear_ce.plan import Plan
 from linear_ce.rows import RowTerms
@@ -62,11 +63,7 @@ def run_chunks(
     row_loss = torch.zeros((rows, positions), dtype=acc, device=device)
     lse_out = torch.zeros((rows, positions), dtype=acc, device=device)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
-    grad_w = (
-        torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=device)
-        if grad_weight
-        else None
-    )
+    grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
@@ -158,13 +155,13 @@ def run_chunks(
             if grad_input:
                 gemm.add_grad_input(grad_x[start:stop], g_op, w_op)
             if grad_weight:
-                gemm.weight_grad(grad_w[:, p, :], g_op, x_op)
+                grad_w.add(p, g_op, x_op)
 
     out_dtype = plan.input_dtype
     return ChunkResult(
         row_loss=row_loss,
         lse=lse_out,
         grad_input=None if grad_x is None else grad_x.to(out_dtype),
-        grad_weight=None if grad_w is None else grad_w.to(out_dtype),
+        grad_weight=None if grad_w is None else grad_w.finish(),
         grad_bias=None if grad_b is None else grad_b.to(out_dtype),
     )

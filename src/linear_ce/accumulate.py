@@ -1,0 +1,171 @@
+r"""The weight gradient's running sum over chunks, :math:`\sum_k G_k^\top X_k`.
+
+The chunk loop creates one with :func:`weight_grad_sum`, calls
+``add(position, grad_logits, x)`` once per chunk and output position (operands
+as the plan's :class:`~linear_ce.gemm.Gemm` converted them), and ``finish()``
+once, which returns the ``(V, P, F)`` gradient in the input dtype. How the sum
+is held is the plan's ``weight_grad``:
+
+- ``"direct"``: each chunk's product is added straight into the result (in the
+  GEMM itself where the dtypes match). Exact for fp32/fp64 inputs; for half
+  inputs (``acc_policy="compact"``) one rounding to the half dtype per chunk, so
+  the error grows with the number of chunks.
+- ``"wide"``: a separate ``acc_dtype`` ``(V, P, F)`` buffer, converted at the end.
+- ``"split"``: the fp32 sum, held in the result's own storage plus a low-order
+  plane: fp32's top 16 bits live in the result tensor, the next 8 (bf16) or 16
+  (fp16) bits in a ``(V, P, F)`` uint8/int16 plane. Each chunk unpacks a
+  vocabulary block into an fp32 temporary, adds its product there, and packs it
+  back rounded to nearest; ``finish`` rounds each block to the input dtype in
+  place. For fp16 the sum is exact fp32; for bf16 it keeps 16 significant bits,
+  8 more than the result, so the rounding per chunk is 2⁻⁸ of the result's own
+  and the error stays the final rounding's up to ~10⁴ chunks. Extra memory:
+  ``V·P·F`` bytes (bf16) or ``2·V·P·F`` (fp16), against ``4·V·P·F`` plus a
+  result-sized copy for ``"wide"``.
+
+Example::
+
+    >>> from linear_ce.gemm import SameDtype
+    >>> acc = SplitSum((10, 1, 8), torch.bfloat16, SameDtype(torch.float32), "cpu")
+    >>> g, x = torch.randn(4, 10), torch.randn(4, 8)
+    >>> acc.add(0, g, x)
+    >>> acc.finish().dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from linear_ce.gemm import Gemm, vocab_blocks
+
+if TYPE_CHECKING:
+    from linear_ce.plan import Plan
+
+__all__ = ["DirectSum", "SplitSum", "WideSum", "split_sum_supported", "weight_grad_sum"]
+
+# Bits of fp32 kept below the result's 16: enough that the per-chunk rounding of the
+# running sum is far below the result's own (bf16: 8 bits; fp16: 11, so all 16).
+_LOW_PLANE = {torch.bfloat16: torch.uint8, torch.float16: torch.int16}
+
+
+def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
+    """Whether :class:`SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
+    half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
+    return input_dtype in _LOW_PLANE and acc_dtype == torch.float32 and sys.byteorder == "little"
+
+
+class DirectSum:
+    """Products added straight into the result (see module doc, ``"direct"``)."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+    ) -> None:
+        self.sum = torch.zeros(shape, dtype=dtype, device=device)
+        self.gemm = gemm
+
+    def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum[:, position] += grad_logitsᵀ · x``."""
+        acc = self.sum[:, position]
+        if acc.dtype == grad_logits.dtype:
+            acc.addmm_(grad_logits.T, x)
+            return
+        # A narrower sum: the product is formed a block of classes at a time.
+        for block in vocab_blocks(acc.shape[0], acc.shape[1]):
+            self.gemm.add_product(acc[block], grad_logits[:, block].T, x)
+
+    def finish(self) -> torch.Tensor:
+        return self.sum
+
+
+class WideSum(DirectSum):
+    """A separate wide buffer, rounded to ``result_dtype`` by ``finish``."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gemm: Gemm,
+        device: torch.device,
+        result_dtype: torch.dtype,
+    ) -> None:
+        super().__init__(shape, dtype, gemm, device)
+        self.result_dtype = result_dtype
+
+    def finish(self) -> torch.Tensor:
+        return self.sum.to(self.result_dtype)
+
+
+class SplitSum:
+    """An fp32 sum held in a half result plus a low-order plane (see module doc)."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+    ) -> None:
+        if dtype not in _LOW_PLANE:
+            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
+        self.result = torch.zeros(shape, dtype=dtype, device=device)
+        self.gemm = gemm
+        self._high = self.result.view(torch.int16)
+        self._low = torch.zeros(shape, dtype=_LOW_PLANE[dtype], device=device)
+        block = next(vocab_blocks(shape[0], shape[-1])).stop
+        self._scratch = torch.empty((block, shape[-1]), dtype=torch.float32, device=device)
+        self._started: set[int] = set()
+
+    def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum[:, position] += grad_logitsᵀ · x``, in fp32."""
+        for block in vocab_blocks(self.result.shape[0], self.result.shape[-1]):
+            # Nothing to unpack before a position's first chunk: the sum starts at zero.
+            acc = self._unpack(block, position, zero=position not in self._started)
+            self.gemm.add_product(acc, grad_logits[:, block].T, x)
+            self._pack(acc, block, position)
+        self._started.add(position)
+
+    def finish(self) -> torch.Tensor:
+        """The sum rounded to the result dtype, in the result's storage; frees the plane."""
+        for position in range(self.result.shape[1]):
+            for block in vocab_blocks(self.result.shape[0], self.result.shape[-1]):
+                self.result[block, position].copy_(self._unpack(block, position, zero=False))
+        self._low = self._scratch = None
+        return self.result
+
+    def _unpack(self, block: slice, position: int, *, zero: bool) -> torch.Tensor:
+        acc = self._scratch[: block.stop - block.start]
+        words = acc.view(torch.int32)
+        if zero or self._low.dtype == torch.uint8:
+            # The bits below the plane are zero: that is the value the pack rounded to.
+            words.zero_()
+        if zero:
+            return acc
+        halves = acc.view(torch.int16).view(*acc.shape, 2)
+        halves[..., 1].copy_(self._high[block, position])
+        if self._low.dtype == torch.int16:
+            halves[..., 0].copy_(self._low[block, position])
+        else:
+            acc.view(torch.uint8).view(*acc.shape, 4)[..., 1].copy_(self._low[block, position])
+        return acc
+
+    def _pack(self, acc: torch.Tensor, block: slice, position: int) -> None:
+        halves = acc.view(torch.int16).view(*acc.shape, 2)
+        if self._low.dtype == torch.uint8:
+            # Round to nearest at the plane's last bit: adding half of the dropped byte's
+            # range to the bit pattern carries into the kept bits (and the exponent) exactly
+            # as rounding the magnitude does; the sign bit is untouched short of NaN.
+            acc.view(torch.int32).add_(0x80)
+            self._low[block, position].copy_(acc.view(torch.uint8).view(*acc.shape, 4)[..., 1])
+        else:
+            self._low[block, position].copy_(halves[..., 0])
+        self._high[block, position].copy_(halves[..., 1])
+
+
+def weight_grad_sum(
+    plan: Plan, shape: tuple[int, ...], device: torch.device
+) -> DirectSum | WideSum | SplitSum:
+    """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
+    if plan.weight_grad == "split":
+        return SplitSum(shape, plan.input_dtype, plan.gemm, device)
+    if plan.weight_grad == "wide":
+        return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
+    return DirectSum(shape, plan.input_dtype, plan.gemm, device)
