@@ -63,7 +63,9 @@ def test_gradients_within_twice_plain_at_256_chunks(dtype, path):
     for name, got, own, ref in zip(("grad_input", "grad_weight"), ours, plain, exact, strict=True):
         assert got.dtype == dtype
         err, bound = rel_err(got, ref), max(3 * eps(dtype), 2 * rel_err(own, ref))
-        assert err <= bound, f"{name}: error {err:.2e} > {bound:.2e} (plain {rel_err(own, ref):.2e})"
+        assert err <= bound, (
+            f"{name}: error {err:.2e} > {bound:.2e} (plain {rel_err(own, ref):.2e})"
+        )
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -144,7 +146,9 @@ def test_k_dimensional_gradients(dtype):
     # too (a sum over 3042 logits per row): twice its error is the bound where above 3 eps.
     plain = _grads(linear_ce.reference.linear_cross_entropy, x, W, t)
     bounds = [max(3 * eps(dtype), 2 * err(p, e)) for p, e in zip(plain, exact, strict=True)]
-    for name, got, ref, bound in zip(("grad_input", "grad_weight"), ours, exact, bounds, strict=True):
+    for name, got, ref, bound in zip(
+        ("grad_input", "grad_weight"), ours, exact, bounds, strict=True
+    ):
         assert err(got, ref) <= bound, f"{name}: {err(got, ref) / eps(dtype):.2f} eps"
 
 

@@ -20,7 +20,9 @@ is held is the plan's ``weight_grad``:
   8 more than the result, so the rounding per chunk is 2⁻⁸ of the result's own
   and the error stays the final rounding's up to ~10⁴ chunks. Extra memory:
   ``V·P·F`` bytes (bf16) or ``2·V·P·F`` (fp16), against ``4·V·P·F`` plus a
-  result-sized copy for ``"wide"``.
+  result-sized copy for ``"wide"``. Where the products are half (native half
+  GEMMs) it holds a copy of one chunk's operands and adds two chunks per
+  unpack/pack, which halves those passes for ``B·(V + F)`` half elements.
 
 Example::
 
@@ -44,7 +46,19 @@ from linear_ce.gemm import Gemm, vocab_blocks
 if TYPE_CHECKING:
     from linear_ce.plan import Plan
 
-__all__ = ["DirectSum", "SplitSum", "WideSum", "split_sum_supported", "weight_grad_sum"]
+__all__ = [
+    "CACHE_BLOCK_ELEMENTS",
+    "DirectSum",
+    "SplitSum",
+    "WideSum",
+    "split_sum_supported",
+    "weight_grad_sum",
+]
+
+#: Elements of the fp32 scratch a block of the sum is unpacked into: 1 MiB, so it stays
+#: in a core's L2 cache between unpacking, adding and packing (on a 2-core Zen 4, bf16,
+#: N=1024 F=1024 V=32768: 3.5 s per training step against 5.0 s with 4 MiB).
+CACHE_BLOCK_ELEMENTS = 1 << 18
 
 # Bits of fp32 kept below the result's 16: enough that the per-chunk rounding of the
 # running sum is far below the result's own (bf16: 8 bits; fp16: 11, so all 16).
@@ -102,7 +116,13 @@ class SplitSum:
     """An fp32 sum held in a half result plus a low-order plane (see module doc)."""
 
     def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gemm: Gemm,
+        device: torch.device,
+        *,
+        pair_chunks: bool = False,
     ) -> None:
         if dtype not in _LOW_PLANE:
             raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
@@ -110,26 +130,53 @@ class SplitSum:
         self.gemm = gemm
         self._high = self.result.view(torch.int16)
         self._low = torch.zeros(shape, dtype=_LOW_PLANE[dtype], device=device)
-        block = next(vocab_blocks(shape[0], shape[-1])).stop
+        block = next(vocab_blocks(shape[0], shape[-1], CACHE_BLOCK_ELEMENTS)).stop
         self._scratch = torch.empty((block, shape[-1]), dtype=torch.float32, device=device)
         self._started: set[int] = set()
+        self._pair_chunks = pair_chunks
+        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        """``sum[:, position] += grad_logitsᵀ · x``, in fp32."""
-        for block in vocab_blocks(self.result.shape[0], self.result.shape[-1]):
-            # Nothing to unpack before a position's first chunk: the sum starts at zero.
-            acc = self._unpack(block, position, zero=position not in self._started)
-            self.gemm.add_product(acc, grad_logits[:, block].T, x)
-            self._pack(acc, block, position)
-        self._started.add(position)
+        """``sum[:, position] += grad_logitsᵀ · x``, in fp32 (with ``pair_chunks``
+        possibly at the next call: the operands are copied, the caller may reuse them)."""
+        if self._held is not None:
+            held_position, held_grad, held_x = self._held
+            self._held = None
+            if held_position == position:
+                self._update(position, [(held_grad, held_x), (grad_logits, x)])
+                return
+            self._update(held_position, [(held_grad, held_x)])
+        if self._pair_chunks:
+            self._held = (position, grad_logits.clone(), x.clone())
+        else:
+            self._update(position, [(grad_logits, x)])
 
     def finish(self) -> torch.Tensor:
         """The sum rounded to the result dtype, in the result's storage; frees the plane."""
+        if self._held is not None:
+            position, grad_logits, x = self._held
+            self._held = None
+            self._update(position, [(grad_logits, x)])
+        classes, features = self.result.shape[0], self.result.shape[-1]
         for position in range(self.result.shape[1]):
-            for block in vocab_blocks(self.result.shape[0], self.result.shape[-1]):
+            for block in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
                 self.result[block, position].copy_(self._unpack(block, position, zero=False))
         self._low = self._scratch = None
         return self.result
+
+    def _update(self, position: int, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        classes, features = self.result.shape[0], self.result.shape[-1]
+        # Nothing to unpack before a position's first chunk: the sum starts at zero.
+        zero = position not in self._started
+        # Products a GEMM-sized block at a time; unpack, add and pack in cache-sized parts.
+        for block in vocab_blocks(classes, features):
+            total = self.gemm.sum_of_products([(g[:, block].T, x) for g, x in chunks])
+            for part in vocab_blocks(block.stop - block.start, features, CACHE_BLOCK_ELEMENTS):
+                rows = slice(block.start + part.start, block.start + part.stop)
+                acc = self._unpack(rows, position, zero=zero)
+                acc.add_(total[part])
+                self._pack(acc, rows, position)
+        self._started.add(position)
 
     def _unpack(self, block: slice, position: int, *, zero: bool) -> torch.Tensor:
         acc = self._scratch[: block.stop - block.start]
@@ -165,7 +212,9 @@ def weight_grad_sum(
 ) -> DirectSum | WideSum | SplitSum:
     """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
     if plan.weight_grad == "split":
-        return SplitSum(shape, plan.input_dtype, plan.gemm, device)
+        # Half products: holding one chunk costs B·(V + F) half elements, halves the passes.
+        pair = plan.gemm.operand_dtype == plan.input_dtype
+        return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
     if plan.weight_grad == "wide":
         return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
     return DirectSum(shape, plan.input_dtype, plan.gemm, device)
