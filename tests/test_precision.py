@@ -69,7 +69,7 @@ def test_gradients_within_twice_plain_at_256_chunks(dtype, path):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_split_sum_is_the_rounded_fp32_sum(dtype, monkeypatch):
+def test_split_sum_stays_at_the_rounded_exact_sum(dtype, monkeypatch):
     # Small vocabulary blocks, so one add spans several blocks and a ragged last one.
     monkeypatch.setattr(linear_ce.gemm, "VOCAB_BLOCK_ELEMENTS", 64)
     classes, positions, features, adds = 30, 2, 7, 1000
@@ -84,9 +84,11 @@ def test_split_sum_is_the_rounded_fp32_sum(dtype, monkeypatch):
         exact[:, p] += g.double().T @ x.double()
     got = acc.finish()
     assert got.dtype == dtype and got.shape == exact.shape
-    # As close as rounding the exact sum once: the running sum loses (almost) nothing.
+    # About as close as rounding the exact sum once: the running sum keeps 16 bits, 8 more
+    # than bf16 (per add 2⁻⁸ of its rounding) and 5 more than fp16 (2⁻⁵: over 500 adds
+    # per position that adds ~10% to the rounding's error).
     rounding = rel_err(exact.to(dtype), exact)
-    assert rel_err(got, exact) <= 1.02 * rounding
+    assert rel_err(got, exact) <= {torch.bfloat16: 1.02, torch.float16: 1.25}[dtype] * rounding
 
 
 def test_split_sum_keeps_infinities():
@@ -156,10 +158,10 @@ _MEMORY_SETUP = """
 import os, torch, linear_ce
 {env}
 torch.manual_seed(0)
-x = torch.randn(1024, 512).to(torch.{dtype}).requires_grad_()
-W = (torch.randn(32768, 512) / 32).to(torch.{dtype}).requires_grad_()
-t = torch.randint(0, 32768, (1024,))
-warm = torch.randn(8, 512).to(torch.{dtype}).requires_grad_()
+x = torch.randn(2048, 1024).to(torch.{dtype}).requires_grad_()
+W = (torch.randn(32768, 1024) / 32).to(torch.{dtype}).requires_grad_()
+t = torch.randint(0, 32768, (2048,))
+warm = torch.randn(8, 1024).to(torch.{dtype}).requires_grad_()
 linear_ce.linear_cross_entropy(warm, W, torch.randint(0, 32768, (8,))).backward()
 W.grad = None
 """
@@ -173,5 +175,5 @@ def test_transient_memory_within_two_and_a_half_gradients(dtype, path):
     env = f"os.environ['{NATIVE_HALF_GEMM_ENV}'] = '0'" if path != "native" else ""
     setup = _MEMORY_SETUP.format(env=env, dtype=str(dtype).split(".")[1])
     peak = transient_peak(setup, "linear_ce.linear_cross_entropy(x, W, t).backward()")
-    grads = (1024 + 32768) * 512 * dtype.itemsize
+    grads = (2048 + 32768) * 1024 * dtype.itemsize
     assert peak <= 2.5 * grads, f"{peak / grads:.2f}x the gradients' bytes"

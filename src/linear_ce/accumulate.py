@@ -12,15 +12,17 @@ is held is the plan's ``weight_grad``:
   the error grows with the number of chunks.
 - ``"wide"``: a separate ``acc_dtype`` ``(V, P, F)`` buffer, converted at the end.
 - ``"split"``: the fp32 sum, held in the result's own storage plus a low-order
-  plane: fp32's top 16 bits live in the result tensor, the next 8 (bf16) or 16
-  (fp16) bits in a ``(V, P, F)`` uint8/int16 plane. Each chunk unpacks a
+  plane: fp32's top 16 bits live in the result tensor, the next 8 bits in a
+  ``(V, P, F)`` uint8 plane. Each chunk unpacks a
   vocabulary block into an fp32 temporary, adds its product there, and packs it
   back rounded to nearest; ``finish`` rounds each block to the input dtype in
-  place. For fp16 the sum is exact fp32; for bf16 it keeps 16 significant bits,
-  8 more than the result, so the rounding per chunk is 2⁻⁸ of the result's own
-  and the error stays the final rounding's up to ~10⁴ chunks. Extra memory:
-  ``V·P·F`` bytes (bf16) or ``2·V·P·F`` (fp16), against ``4·V·P·F`` plus a
-  result-sized copy for ``"wide"``. Where the products are half (native half
+  place. The sum keeps 16 significant bits (bf16's 8 plus 8; for fp16 the top
+  16 bits of fp32 hold 8 of its 11, so 16 is 5 more than fp16's): the rounding
+  per chunk is 2⁻⁸ (bf16) or 2⁻⁵ (fp16) of the result's own, so the error stays
+  the final rounding's up to ~10⁴ (bf16) or ~10² (fp16) chunks and then grows as
+  ``√K`` times that rounding (fp16 at 4096 chunks: ~1.7× the final rounding).
+  Extra memory: ``V·P·F`` bytes, against ``4·V·P·F`` plus a result-sized copy
+  for ``"wide"``. Where the products are half (native half
   GEMMs) it holds a copy of one chunk's operands and adds two chunks per
   unpack/pack, which halves those passes for ``B·(V + F)`` half elements.
 
@@ -60,15 +62,13 @@ __all__ = [
 #: N=1024 F=1024 V=32768: 3.5 s per training step against 5.0 s with 4 MiB).
 CACHE_BLOCK_ELEMENTS = 1 << 18
 
-# Bits of fp32 kept below the result's 16: enough that the per-chunk rounding of the
-# running sum is far below the result's own (bf16: 8 bits; fp16: 11, so all 16).
-_LOW_PLANE = {torch.bfloat16: torch.uint8, torch.float16: torch.int16}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
     """Whether :class:`SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
     half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
-    return input_dtype in _LOW_PLANE and acc_dtype == torch.float32 and sys.byteorder == "little"
+    return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
 
 
 class DirectSum:
@@ -124,12 +124,12 @@ class SplitSum:
         *,
         pair_chunks: bool = False,
     ) -> None:
-        if dtype not in _LOW_PLANE:
+        if dtype not in _HALF:
             raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
         self.result = torch.zeros(shape, dtype=dtype, device=device)
         self.gemm = gemm
         self._high = self.result.view(torch.int16)
-        self._low = torch.zeros(shape, dtype=_LOW_PLANE[dtype], device=device)
+        self._low = torch.zeros(shape, dtype=torch.uint8, device=device)
         block = next(vocab_blocks(shape[0], shape[-1], CACHE_BLOCK_ELEMENTS)).stop
         self._scratch = torch.empty((block, shape[-1]), dtype=torch.float32, device=device)
         self._started: set[int] = set()
@@ -168,7 +168,16 @@ class SplitSum:
         classes, features = self.result.shape[0], self.result.shape[-1]
         # Nothing to unpack before a position's first chunk: the sum starts at zero.
         zero = position not in self._started
-        # Products a GEMM-sized block at a time; unpack, add and pack in cache-sized parts.
+        if chunks[0][0].dtype == self._scratch.dtype:
+            # fp32 products: each GEMM adds into the unpacked part itself, no temporary.
+            for rows in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
+                acc = self._unpack(rows, position, zero=zero)
+                for g, x in chunks:
+                    acc.addmm_(g[:, rows].T, x)
+                self._pack(acc, rows, position)
+            self._started.add(position)
+            return
+        # Half products a GEMM-sized block at a time; unpack, add, pack in cache-sized parts.
         for block in vocab_blocks(classes, features):
             total = self.gemm.sum_of_products([(g[:, block].T, x) for g, x in chunks])
             for part in vocab_blocks(block.stop - block.start, features, CACHE_BLOCK_ELEMENTS):
@@ -180,31 +189,21 @@ class SplitSum:
 
     def _unpack(self, block: slice, position: int, *, zero: bool) -> torch.Tensor:
         acc = self._scratch[: block.stop - block.start]
-        words = acc.view(torch.int32)
-        if zero or self._low.dtype == torch.uint8:
-            # The bits below the plane are zero: that is the value the pack rounded to.
-            words.zero_()
+        # The bits below the plane are zero: that is the value the pack rounded to.
+        acc.view(torch.int32).zero_()
         if zero:
             return acc
-        halves = acc.view(torch.int16).view(*acc.shape, 2)
-        halves[..., 1].copy_(self._high[block, position])
-        if self._low.dtype == torch.int16:
-            halves[..., 0].copy_(self._low[block, position])
-        else:
-            acc.view(torch.uint8).view(*acc.shape, 4)[..., 1].copy_(self._low[block, position])
+        acc.view(torch.int16).view(*acc.shape, 2)[..., 1].copy_(self._high[block, position])
+        acc.view(torch.uint8).view(*acc.shape, 4)[..., 1].copy_(self._low[block, position])
         return acc
 
     def _pack(self, acc: torch.Tensor, block: slice, position: int) -> None:
-        halves = acc.view(torch.int16).view(*acc.shape, 2)
-        if self._low.dtype == torch.uint8:
-            # Round to nearest at the plane's last bit: adding half of the dropped byte's
-            # range to the bit pattern carries into the kept bits (and the exponent) exactly
-            # as rounding the magnitude does; the sign bit is untouched short of NaN.
-            acc.view(torch.int32).add_(0x80)
-            self._low[block, position].copy_(acc.view(torch.uint8).view(*acc.shape, 4)[..., 1])
-        else:
-            self._low[block, position].copy_(halves[..., 0])
-        self._high[block, position].copy_(halves[..., 1])
+        # Round to nearest at the plane's last bit: adding half of the dropped byte's range
+        # to the bit pattern carries into the kept bits (and the exponent) exactly as
+        # rounding the magnitude does; the sign bit is untouched short of NaN.
+        acc.view(torch.int32).add_(0x80)
+        self._low[block, position].copy_(acc.view(torch.uint8).view(*acc.shape, 4)[..., 1])
+        self._high[block, position].copy_(acc.view(torch.int16).view(*acc.shape, 2)[..., 1])
 
 
 def weight_grad_sum(

@@ -73,7 +73,7 @@ class LinearCrossEntropyOptions:
               on other CPUs they run in fp32 on the weight upcast one
               vocabulary block at a time (no fp32 copy of it). On a CPU the
               weight gradient is summed in fp32 held in the half result plus a
-              low-order plane (``V·F`` more bytes for bf16, ``2·V·F`` for fp16;
+              low-order plane (``V·F`` more bytes;
               see :mod:`linear_ce.accumulate`); on CUDA in an fp32 buffer.
               Its error does not grow with the number of chunks.
             - ``"compact"``: no weight-gradient buffer: each chunk's weight
