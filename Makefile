@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test bench lint format clean
+.PHONY: test bench lint format clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
 
+# Not part of `make test`: applies each deliberate mistake of scripts/mutate.py to a
+# scratch copy and reports the ones the suite lets through (a few minutes).
+mutate: $(STAMP)
+	$(PY) scripts/mutate.py $(ARGS)
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples
 	$(PY) -m ruff format --check src tests examples
@@ -34,4 +39,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out build dist

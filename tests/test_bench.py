@@ -29,6 +29,8 @@ def test_report_end_to_end(tmp_path):
             "V=32,64",
             "--repeats",
             "1",
+            "--ignored",
+            "0.5",
             "--plot",
             str(plot),
             "--json",
@@ -52,10 +54,24 @@ def test_report_end_to_end(tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
     data = json.loads(out.read_text())
-    labels = {(p["V"], p["dtype"]) for p in data["points"]}
-    assert labels == {(32, "bf16"), (64, "bf16")}
+    labels = {(p["V"], p["dtype"], p["head"], p["ignored"]) for p in data["points"]}
+    assert labels == {
+        (32, "bf16", "ce", 0.0),
+        (64, "bf16", "ce", 0.0),
+        (64, "bf16", "ce", 0.5),
+        (64, "bf16", "logprobs", 0.0),
+        (64, "bf16", "objective", 0.0),
+    }
     for point in data["points"]:
-        assert [row["variant"] for row in point["rows"]] == list(DEFAULT)
+        # Each point measures the variants of its head (the floors serve every head).
+        expected = [name for name in DEFAULT if point["head"] in VARIANTS[name].heads]
+        assert [row["variant"] for row in point["rows"]] == expected
+        if point["head"] != "ce" or point["ignored"]:
+            rows = {row["variant"]: row for row in point["rows"]}
+            for name in expected:
+                if name.startswith(("logprobs-", "objective-")) or name == "linear_ce":
+                    assert rows[name]["seconds"] > 0, rows[name]
+            continue
         assert point["grad_bytes"] == (point["N"] + point["V"]) * point["D"] * 2
         rows = {row["variant"]: row for row in point["rows"]}
         # Every variant that can run anywhere produced a time; half inputs are
@@ -89,6 +105,16 @@ def test_bad_shapes(text, message):
         config.parse_shapes(text)
 
 
+def test_masked_and_head_points():
+    points = config.points(
+        [(8, 4, 16)], ["fp32", "bf16"], "cpu", None, ["fp32"], (0.75,), ("ce", "logprobs")
+    )
+    extra = [(p.dtype, p.ignored, p.head) for p in points if not p.swept]
+    assert extra == [("fp32", 0.75, "ce"), ("fp32", 0.0, "logprobs")]
+    labels = [p.label for p in points]
+    assert labels[1:3] == ["N=8 D=4 V=16 fp32 75% ignored", "N=8 D=4 V=16 fp32 logprobs"]
+
+
 def test_bad_cli_values():
     from linear_ce.bench.__main__ import parse_args
 
@@ -97,6 +123,8 @@ def test_bad_cli_values():
         ["--sweep", "Q=1"],
         ["--variants", "nope"],
         ["--repeats", "0"],
+        ["--ignored", "1.5"],
+        ["--heads", "ce,nope"],
     ):
         with pytest.raises(SystemExit):
             parse_args(argv)

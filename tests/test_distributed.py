@@ -94,6 +94,7 @@ CASES = [
         layout="explicit",
     ),
     _case("sum_shift_softcap", rows=(2, 12), reduction="sum", shift=True, softcap=3.0),
+    _case("sum_k_dim_ignored", reduction="sum", positions=2, ignore=True, class_weight=True),
     _case("mean_default_options", chunk=None, smoothing=0.05, ignore=True),
 ]
 
@@ -305,12 +306,19 @@ def _count_collectives(rank: int, world: int) -> list[str]:
     sizes = _split(num_classes, world, "gathered")
     start, size = sum(sizes[:rank]), sizes[rank]
     rows, features, positions, chunk = 40, 8, 2, 16
-    chunks = -(-rows // chunk)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(rows, features, generator=g, requires_grad=True)
     W = torch.randn(num_classes, positions, features, generator=g)
     shard = W[start : start + size].clone().requires_grad_()
     t = torch.randint(0, num_classes, (rows, positions), generator=g)
+    # Ignored rows are in no chunk: 20 valid rows at position 0 (2 chunks instead of 3),
+    # 37 at position 1 (still 3).
+    t[:20, 0] = -100
+    t[::13, 1] = -100
+    valid_rows = (t != -100).sum(0).tolist()
+    chunks_per_position = [-(-v // chunk) for v in valid_rows]
+    assert chunks_per_position == [2, 3]
+    chunks = sum(chunks_per_position)
     options = linear_ce.LinearCrossEntropyOptions(batch_chunk_size=chunk)
 
     calls: list[tuple[str, object, int]] = []
@@ -335,7 +343,7 @@ def _count_collectives(rank: int, world: int) -> list[str]:
             sum(c[2] == rows * features for c in reduces),
         )
 
-    per_pass = 2 * chunks * positions
+    per_pass = 2 * chunks
     state = {}
 
     def forward(reduction, layout, input_grad=True):
@@ -363,7 +371,7 @@ def _count_collectives(rank: int, world: int) -> list[str]:
             (
                 "mean forward",
                 counted(forward("mean", explicit)),
-                (per_pass + 1, chunks * positions, 0, 1),
+                (per_pass + 1, chunks, 0, 1),
             )
         )
         checks.append(("mean backward", counted(backward), (0, 0, 0, 0)))
@@ -371,19 +379,17 @@ def _count_collectives(rank: int, world: int) -> list[str]:
             (
                 "sum, input without grad",
                 counted(forward("sum", explicit, False)),
-                (per_pass, chunks * positions, 0, 0),
+                (per_pass, chunks, 0, 0),
             )
         )
         checks.append(
             (
                 "none forward, gathered layout",
                 counted(forward("none", {})),
-                (per_pass, chunks * positions, 1, 0),
+                (per_pass, chunks, 1, 0),
             )
         )
-        checks.append(
-            ("none backward", counted(backward), (per_pass + 1, chunks * positions, 0, 1))
-        )
+        checks.append(("none backward", counted(backward), (per_pass + 1, chunks, 0, 1)))
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     return [

@@ -120,7 +120,10 @@ def _formula(case: dict, reduction: str, dtype: torch.dtype = torch.float64):
         loss, z_term = rows.sum() / denominator, z_rows.sum() / denominator
         loss.backward()
     grads = [x.grad, W.grad, None if b is None else b.grad]
-    return loss.detach(), z_term.detach(), lse.detach(), grads
+    # lse is reported for the rows that carry a loss only; ignored rows are never computed.
+    carried = torch.zeros(lse.shape, dtype=torch.bool)
+    carried[:, : lse.shape[1] - k] = valid
+    return loss.detach(), z_term.detach(), torch.where(carried, lse, 0.0).detach(), grads
 
 
 def _ours(case: dict, reduction: str, options=CHUNKED, **overrides):

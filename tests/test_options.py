@@ -60,9 +60,9 @@ def test_valid_chunking_methods(method):
     assert LinearCrossEntropyOptions(chunking_method=method).chunking_method == method
 
 
-def _rows(rows, feat, classes, dtype=torch.float32, acc=None, softcap=False, **options):
+def _rows(rows, feat, classes, dtype=torch.float32, acc=None, tiles=1, **options):
     return choose_chunk_rows(
-        rows, feat, classes, LinearCrossEntropyOptions(**options), dtype, acc or dtype, softcap
+        rows, feat, classes, LinearCrossEntropyOptions(**options), dtype, acc or dtype, tiles
     )
 
 
@@ -95,7 +95,7 @@ def test_budget_rule():
     assert _rows(8192, 4096, 32_000) == 1280
     assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1280
     assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 640  # 643 rounded
-    assert _rows(8192, 4096, 32_000, softcap=True) == 640  # two scratch buffers
+    assert _rows(8192, 4096, 32_000, tiles=2) == 640  # two scratch tiles (e.g. softcap)
     # bf16 gradients with fp32 scratch: half the budget for the same row bytes.
     assert _rows(8192, 4096, 32_000, dtype=torch.bfloat16, acc=torch.float32) == 640
     # A budget under 32 rows is not rounded (to zero).

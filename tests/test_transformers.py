@@ -39,6 +39,23 @@ FAMILY_CONFIG = {
     "Olmo2ForCausalLM": ("Olmo2Config", {}),
     "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
     "SmolLM3ForCausalLM": ("SmolLM3Config", {}),
+    # Families that scale their logits (linear_ce's logit_scale); a plain lm_head would miss it.
+    "CohereForCausalLM": ("CohereConfig", {"logit_scale": 0.3}),
+    "Cohere2ForCausalLM": ("Cohere2Config", {"logit_scale": 0.3, "sliding_window": 4}),
+    "GraniteForCausalLM": ("GraniteConfig", {"logits_scaling": 4.0}),
+    "FalconH1ForCausalLM": (
+        "FalconH1Config",
+        {
+            "lm_head_multiplier": 0.5,
+            "mamba_d_ssm": 32,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 8,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 4,
+            "head_dim": 8,
+        },
+    ),
 }
 FAMILIES = [name for name in FAMILY_CONFIG if hasattr(transformers, name)]
 

@@ -5,17 +5,31 @@
 >>> loss = linear_ce.linear_cross_entropy(x, W, torch.randint(0, 100, (8,)))
 """
 
-from linear_ce import reference
+import importlib.metadata
+
+from linear_ce import objectives, reference
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.token_logprobs import TokenLogprobs, token_logprobs
+from linear_ce.token_objective import token_objective
 
 __all__ = [
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOptions",
     "LinearCrossEntropyOutput",
+    "TokenLogprobs",
     "linear_cross_entropy",
+    "objectives",
     "reference",
+    "token_logprobs",
+    "token_objective",
 ]
-__version__ = "0.1.0"
+
+# pyproject.toml is the one place the version is written; the installed metadata carries it.
+# A source tree put on sys.path without installing it has no metadata.
+try:
+    __version__ = importlib.metadata.version("linear-ce")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0+unknown"

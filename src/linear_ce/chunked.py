@@ -1,10 +1,14 @@
-"""The loop over row chunks: pure math on a :class:`~linear_ce.plan.Plan`.
+"""The loop over chunks of valid rows: pure math on a :class:`~linear_ce.plan.Plan`.
 
-Per chunk of ``B`` rows and each output position: logits ``S = x Wᵀ + b``
-(softcapped), row max, log-sum-exp, the loss terms of :mod:`linear_ce.rows`,
-then — only if gradients are wanted — ``S`` becomes ``∂loss/∂logits`` in
-place and the two gradient GEMMs consume it. Nothing here grows with ``N·V``:
-the one ``(B, V)`` buffer (two with softcap) is reused by every chunk.
+Per chunk of ``B`` rows that carry an output (:mod:`linear_ce.row_chunks`:
+ignored rows are never in a chunk) and each output position: the logits GEMM
+``x Wᵀ + b``, the logits transform (:mod:`linear_ce.transform`), the row max,
+``u = s − max``, the row sums of the head (:mod:`linear_ce.losses.base`) and
+of ``eᵘ``, one combination of the row statistics over vocabulary shards, the
+head's per-row outputs, then — only if gradients are wanted — the head turns
+a tile into ``∂L/∂s`` and the two gradient GEMMs consume it. Nothing here
+grows with ``N·V``: the ``(B, V)`` tiles (one, two when the head keeps ``u``,
+one more for a softcap's derivative) are reused by every chunk.
 """
 
 from __future__ import annotations
@@ -14,154 +18,128 @@ import dataclasses
 import torch
 
 from linear_ce.accumulate import weight_grad_sum
-from linear_ce.arguments import Call
+from linear_ce.losses.base import Head, RowStats
 from linear_ce.plan import Plan
-from linear_ce.rows import RowTerms
+from linear_ce.row_chunks import chunk_size, row_chunks
+from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["ChunkResult", "run_chunks"]
+__all__ = ["Gradients", "run_chunks", "tiles_for"]
 
 
 @dataclasses.dataclass
-class ChunkResult:
-    """Per-row loss ``τ·ℓ`` and log-sum-exp ``(N, P)`` in the accumulation dtype,
-    and the requested gradients in the input dtype (``None`` where not asked)."""
+class Gradients:
+    """The requested gradients in the input dtype (``None`` where not asked)."""
 
-    row_loss: torch.Tensor
-    lse: torch.Tensor
-    grad_input: torch.Tensor | None
-    grad_weight: torch.Tensor | None
-    grad_bias: torch.Tensor | None
+    input: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+def tiles_for(keeps_logits: bool, transform: LogitTransform, want_grads: bool) -> int:
+    """How many ``(B, V)`` tiles the loop holds for a head (its ``keeps_logits``): the
+    divisor of the chunk planner's budget."""
+    return 1 + int(keeps_logits) + int(want_grads and transform.softcap is not None)
 
 
 def run_chunks(
-    call: Call,
-    terms: RowTerms,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    head: Head,
+    transform: LogitTransform,
     plan: Plan,
     *,
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
     vocab: LocalVocab | None = None,
-) -> ChunkResult:
-    """Loss rows and gradients of ``call``; gradients carry the row scale ``terms.scale``."""
+) -> Gradients:
+    """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``;
+    returns the gradients of the head's loss (its upstream gradients folded in)."""
     vocab = vocab or LocalVocab()
-    x, weight, bias = call.input, call.linear_weight, call.linear_bias
-    rows, in_features = x.shape
+    rows, in_features = input.shape
     local_classes, positions, _ = weight.shape
-    acc, device = plan.acc_dtype, x.device
-    gemm = plan.gemm
+    acc, device, gemm = plan.acc_dtype, input.device, plan.gemm
     want_grads = grad_input or grad_weight or grad_bias
-    softcap = call.softcap
-    gamma = terms.gamma
-    smoothing = call.label_smoothing > 0.0
 
     chunk = min(plan.rows_per_chunk, max(rows, 1))
-    logits_buf = gemm.logits_buffer(chunk, local_classes, acc, device)
-    softcap_buf = torch.empty_like(logits_buf) if softcap is not None else None
+    chunks = row_chunks(head.valid, chunk, device)
+    gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
+    tile = gemm.logits_buffer(chunk, local_classes, acc, device)
+    exp_tile = torch.empty_like(tile) if head.keeps_logits else None
+    sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
+    x_rows_buf = (
+        torch.empty((chunk, in_features), dtype=input.dtype, device=device) if gathered else None
+    )
+    gx_rows_buf = (
+        torch.empty((chunk, in_features), dtype=acc, device=device)
+        if gathered and grad_input
+        else None
+    )
+    stats_buf = torch.empty((chunk, 1 + head.extra_sums), dtype=acc, device=device)
 
-    row_loss = torch.zeros((rows, positions), dtype=acc, device=device)
-    lse_out = torch.zeros((rows, positions), dtype=acc, device=device)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
 
-    class_weight = terms.class_weight
-    if class_weight is not None:
-        class_weight = class_weight[vocab.start : vocab.start + local_classes]
-    stats = torch.empty((chunk, 2), dtype=acc, device=device)
-
     for p in range(positions):
         w_op = gemm.weight_operand(weight[:, p, :])
         b_p = None if bias is None else bias[:, p].to(acc)
-        for start in range(0, rows, chunk):
-            stop = min(start + chunk, rows)
-            n = stop - start
-            x_op = gemm.operand(x[start:stop])
-            S = logits_buf[:n]
-            gemm.logits(S, x_op, w_op)
-            if b_p is not None:
-                S.add_(b_p)
-            if softcap is not None:
-                D = softcap_buf[:n]
-                S.div_(softcap)
-                # tanh' = sech², not 1 - tanh²: the latter cancels to nothing where
-                # tanh saturates, losing every digit of the gradient of large logits.
-                torch.cosh(S, out=D).reciprocal_().square_()
-                S.tanh_().mul_(softcap)
-
-            row_max = S.amax(dim=1)
-            vocab.max_(row_max)
-            S.sub_(row_max[:, None])
-
-            # Σ_j a_ij (s_ij − max): the target logit, the smoothing term, the soft target.
-            lin = stats[:n, 1]
-            if terms.target is not None:
-                local_t = terms.target[start:stop, p] - vocab.start
-                owned = (local_t >= 0) & (local_t < local_classes)
-                safe_t = torch.where(owned, local_t, 0)
-                picked = S.gather(1, safe_t[:, None])[:, 0]
-                torch.mul(picked, terms.alpha[start:stop, p] * owned, out=lin)
+        for chunk_rows in chunks[p]:
+            n = chunk_size(chunk_rows)
+            sliced = isinstance(chunk_rows, slice)
+            if sliced:
+                x_rows = input[chunk_rows]
             else:
-                lin.zero_()
-            beta = terms.beta[start:stop, p]
-            if smoothing:
-                lin.addcmul_(beta, S.sum(1) if class_weight is None else S @ class_weight)
-            if terms.target is None:
-                q = call.target[start:stop, vocab.start : vocab.start + local_classes, p].to(acc)
-                if class_weight is not None:
-                    q = q * class_weight
-                lin.add_((q * S).sum(1), alpha=gamma)
+                x_rows = torch.index_select(input, 0, chunk_rows, out=x_rows_buf[:n])
+            x_op = gemm.operand(x_rows)
+            u = tile[:n]
+            gemm.logits(u, x_op, w_op)
+            if b_p is not None:
+                u.add_(b_p)
+            transform.apply_(u, None if sech2 is None else sech2[:n])
 
-            S.exp_()
-            sum_exp = stats[:n, 0]
-            torch.sum(S, dim=1, out=sum_exp)
-            vocab.sum_(stats[:n])
+            row_max = u.amax(dim=1)
+            vocab.max_(row_max)
+            u.sub_(row_max[:, None])
+            stats = stats_buf[:n]
+            head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
+            e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
+            torch.sum(e, dim=1, out=stats[:, 0])
+            head.sums_after_exp(u, e, stats[:, 1:])
+            vocab.sum_(stats)
+            sum_exp = stats[:, 0]
             log_sum_exp = sum_exp.log()
             # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
             lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
-            A = terms.A[start:stop, p]
-            zeta = terms.zeta[start:stop, p]
-            loss = A * log_sum_exp - lin + zeta * lse.square()
-            valid = terms.valid[start:stop, p]
-            row_loss[start:stop, p] = torch.where(valid, loss, 0.0) * terms.token[start:stop, p]
-            lse_out[start:stop, p] = lse
+            row_stats = RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
+            head.rows_done(chunk_rows, p, row_stats)
             if not want_grads:
                 continue
 
-            # ∂/∂s = r·((A + 2ζ·lse)·p − a): S holds exp(s − max) here.
-            r = terms.scale[start:stop, p]
-            S.mul_((r * (A + 2.0 * zeta * lse) / sum_exp)[:, None])
-            if terms.target is not None:
-                S.scatter_add_(
-                    1, safe_t[:, None], (-(r * terms.alpha[start:stop, p]) * owned)[:, None]
-                )
-            else:
-                S.addcmul_(q, (r * gamma)[:, None], value=-1.0)
-            if smoothing:
-                if class_weight is None:
-                    S.sub_((r * beta)[:, None])
-                else:
-                    S.addr_(r * beta, class_weight, alpha=-1.0)
-            if softcap is not None:
-                S.mul_(D)
-
+            g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
+            if sech2 is not None:
+                g.mul_(sech2[:n])
             if grad_bias:
-                grad_b[:, p].add_(S.sum(0))
+                grad_b[:, p].add_(g.sum(0))
             if grad_input or grad_weight:
-                g_op = gemm.operand(S)
+                g_op = gemm.operand(g)
             if grad_input:
-                gemm.add_grad_input(grad_x[start:stop], g_op, w_op)
+                if sliced:
+                    gemm.add_grad_input(grad_x[chunk_rows], g_op, w_op)
+                else:
+                    gx = gx_rows_buf[:n].zero_()
+                    gemm.add_grad_input(gx, g_op, w_op)
+                    grad_x.index_add_(0, chunk_rows, gx)
             if grad_weight:
                 grad_w.add(p, g_op, x_op)
 
     out_dtype = plan.input_dtype
-    return ChunkResult(
-        row_loss=row_loss,
-        lse=lse_out,
-        grad_input=None if grad_x is None else grad_x.to(out_dtype),
-        grad_weight=None if grad_w is None else grad_w.finish(),
-        grad_bias=None if grad_b is None else grad_b.to(out_dtype),
+    return Gradients(
+        input=None if grad_x is None else grad_x.to(out_dtype),
+        weight=None if grad_w is None else grad_w.finish(),
+        bias=None if grad_b is None else grad_b.to(out_dtype),
     )

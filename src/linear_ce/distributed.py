@@ -21,14 +21,17 @@ logit gradient of a class lives on the rank that holds it, so ``grad_W`` and
 :math:`\sum_r G_r W_r` is summed over ranks by one all_reduce of ``N·F``
 values per call.
 
-Collectives per call, with ``K = ⌈N / B⌉`` chunks of ``B`` rows and ``P``
-output positions (``P = 1`` for ordinary ``(V, F)`` weights):
+Collectives per call, with ``K = Σ_p ⌈N_p / B⌉`` chunks of ``B`` rows over the
+``P`` output positions (``P = 1`` for ordinary ``(V, F)`` weights), where
+``N_p`` counts the rows whose target at position ``p`` is not ``ignore_index``
+(every rank sees the same targets, so every rank skips the same rows and runs
+the same chunks):
 
-- ``reduction`` "mean"/"sum": ``2·K·P`` all_reduce in forward, plus one
+- ``reduction`` "mean"/"sum": ``2·K`` all_reduce in forward, plus one
   all_reduce of the input gradient (in forward, where the gradients are
   computed) when ``input`` requires grad; backward communicates nothing.
-- ``reduction="none"``: ``2·K·P`` in forward; backward recomputes the chunks,
-  ``2·K·P`` again, plus one all_reduce of the input gradient.
+- ``reduction="none"``: ``2·K`` in forward; backward recomputes the chunks,
+  ``2·K`` again, plus one all_reduce of the input gradient.
 - one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
   not given (see :func:`shard_layout` to do it once and pass the result).
 
@@ -46,14 +49,22 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from linear_ce.arguments import Call, check_call
-from linear_ce.chunked import run_chunks
+from linear_ce.chunked import run_chunks, tiles_for
+from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
+from linear_ce.losses.token_logprob import TokenLogprobHead
 from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, make_plan
-from linear_ce.rows import row_terms
+from linear_ce.token_logprobs import TokenLogprobs
+from linear_ce.transform import check_scales
 
-__all__ = ["VocabShard", "shard_layout", "vocab_parallel_linear_cross_entropy"]
+__all__ = [
+    "VocabShard",
+    "shard_layout",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_token_logprobs",
+]
 
 _NAME = "vocab_parallel_linear_cross_entropy"
 
@@ -187,28 +198,30 @@ class _VocabParallelLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, spec: _Spec):
         call = _with(spec.call, input, weight, bias)
-        shard, plan = spec.shard, spec.plan
-        terms = row_terms(call, plan.acc_dtype, num_classes=shard.total)
+        shard = spec.shard
         scalar = call.reduction != "none"
-        need_x, need_w, need_b = spec.needs if scalar else (False, False, False)
-        result = run_chunks(
-            call, terms, plan, grad_input=need_x, grad_weight=need_w, grad_bias=need_b, vocab=shard
+        terms, head, grads = run_cross_entropy(
+            call,
+            spec.plan,
+            needs=spec.needs if scalar else (False, False, False),
+            vocab=shard,
+            num_classes=shard.total,
         )
         ctx.spec = spec
         if scalar:
-            if result.grad_input is not None:
-                shard.sum_(result.grad_input)
-            ctx.grads = [result.grad_input, result.grad_weight, result.grad_bias]
-            loss = terms.reduce(result.row_loss).to(input.dtype)
-            z_term = terms.reduce(terms.z_rows(result.lse))
+            if grads.input is not None:
+                shard.sum_(grads.input)
+            ctx.grads = [grads.input, grads.weight, grads.bias]
+            loss = terms.reduce(head.row_loss).to(input.dtype)
+            z_term = terms.reduce(terms.z_rows(head.lse))
         else:
             ctx.save_for_backward(
                 input.detach(), weight.detach(), None if bias is None else bias.detach()
             )
-            loss = result.row_loss.to(input.dtype)
-            z_term = terms.z_rows(result.lse)
-        ctx.mark_non_differentiable(z_term, result.lse)
-        return loss, z_term, result.lse
+            loss = head.row_loss.to(input.dtype)
+            z_term = terms.z_rows(head.lse)
+        ctx.mark_non_differentiable(z_term, head.lse)
+        return loss, z_term, head.lse
 
     @staticmethod
     @once_differentiable
@@ -221,22 +234,18 @@ class _VocabParallelLoss(torch.autograd.Function):
         input, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         call = _with(spec.call, input, weight, bias)
-        shard, plan = spec.shard, spec.plan
-        terms = row_terms(
-            call, plan.acc_dtype, grad_output=grad_loss.contiguous(), num_classes=shard.total
-        )
-        result = run_chunks(
+        shard = spec.shard
+        _, _, grads = run_cross_entropy(
             call,
-            terms,
-            plan,
-            grad_input=need_x,
-            grad_weight=need_w,
-            grad_bias=need_b and bias is not None,
+            spec.plan,
+            needs=(need_x, need_w, need_b),
+            grad_output=grad_loss.contiguous(),
             vocab=shard,
+            num_classes=shard.total,
         )
-        if result.grad_input is not None:
-            shard.sum_(result.grad_input)
-        return result.grad_input, result.grad_weight, result.grad_bias, None
+        if grads.input is not None:
+            shard.sum_(grads.input)
+        return grads.input, grads.weight, grads.bias, None
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -259,6 +268,8 @@ def vocab_parallel_linear_cross_entropy(
     softcap: float | None = None,
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r""":func:`linear_ce.linear_cross_entropy` with the weight sharded along the vocabulary.
 
@@ -291,7 +302,7 @@ def vocab_parallel_linear_cross_entropy(
         linear_bias: this rank's bias shard ``(V_r, d1, …, dK)`` or ``None``.
         weight: class weights of the whole vocabulary ``(num_classes,)``.
         reduction, ignore_index, label_smoothing, options, z_loss, return_z_loss,
-        return_lse, softcap, shift, token_weight: as in
+        return_lse, softcap, shift, token_weight, logit_scale, temperature: as in
             :func:`linear_ce.linear_cross_entropy`; ``options`` must be the same
             on every rank (the chunk size is planned from ``⌈num_classes / world⌉``
             so that every rank runs the same number of chunks).
@@ -340,10 +351,18 @@ def vocab_parallel_linear_cross_entropy(
         token_weight=token_weight,
         num_classes=num_classes,
     )
+    check_scales(_NAME, logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
     _check_targets(call, num_classes)
 
     rows, in_features = call.input.shape
     world = dist.get_world_size(process_group)
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and call.input.requires_grad,
+        grad_on and call.linear_weight.requires_grad,
+        grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+    )
     plan = make_plan(
         rows,
         in_features,
@@ -351,18 +370,13 @@ def vocab_parallel_linear_cross_entropy(
         call.input.dtype,
         call.input.device,
         options,
-        softcap=call.softcap is not None,
+        tiles=tiles_for(CrossEntropyHead.keeps_logits, call.transform, True),
     )
-    grad_on = torch.is_grad_enabled()
     spec = _Spec(
         call=call,
         plan=plan,
         shard=VocabShard(vocab_start, num_classes, process_group),
-        needs=(
-            grad_on and call.input.requires_grad,
-            grad_on and call.linear_weight.requires_grad,
-            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-        ),
+        needs=needs,
         allow_retain_graph=options.allow_retain_graph,
     )
     loss, z_term, lse = _VocabParallelLoss.apply(
@@ -376,4 +390,175 @@ def vocab_parallel_linear_cross_entropy(
         loss,
         z_term if return_z_loss else None,
         lse.view(call.loss_shape) if return_lse else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenSpec:
+    call: Call
+    plan: Plan
+    shard: VocabShard
+    entropy: bool
+    top1: bool
+
+
+class _VocabParallelTokenLogprobs(torch.autograd.Function):
+    """Per-token outputs of one shard's call; backward reruns the chunks with the
+    upstream gradients (``2·K`` all_reduce again, plus one of the input gradient)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: _TokenSpec):
+        call, shard = spec.call, spec.shard
+        head = _token_head(call, shard, spec.plan, entropy=spec.entropy, top1=spec.top1)
+        run_chunks(
+            input,
+            weight,
+            bias,
+            head,
+            call.transform,
+            spec.plan,
+            grad_input=False,
+            grad_weight=False,
+            grad_bias=False,
+            vocab=shard,
+        )
+        ctx.spec = spec
+        ctx.save_for_backward(
+            input.detach(), weight.detach(), None if bias is None else bias.detach()
+        )
+        entropy = head.entropy if spec.entropy else input.new_empty((0,), dtype=head.logprob.dtype)
+        top1 = head.top1 if spec.top1 else input.new_empty((0,), dtype=torch.bool)
+        ctx.mark_non_differentiable(top1)
+        ctx.set_materialize_grads(False)
+        return head.logprob, entropy, top1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy, _grad_top1):
+        spec: _TokenSpec = ctx.spec
+        input, weight, bias = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None
+        head = _token_head(
+            spec.call,
+            spec.shard,
+            spec.plan,
+            entropy=False,
+            top1=False,
+            grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy,
+        )
+        grads = run_chunks(
+            input,
+            weight,
+            bias,
+            head,
+            spec.call.transform,
+            spec.plan,
+            grad_input=need_x,
+            grad_weight=need_w,
+            grad_bias=need_b and bias is not None,
+            vocab=spec.shard,
+        )
+        if grads.input is not None:
+            spec.shard.sum_(grads.input)
+        return grads.input, grads.weight, grads.bias, None
+
+
+def _token_head(call: Call, shard: VocabShard, plan: Plan, **flags) -> TokenLogprobHead:
+    return TokenLogprobHead(
+        call.target.long(),
+        call.target != call.ignore_index,
+        shard.start,
+        call.linear_weight.shape[0],
+        plan.acc_dtype,
+        **flags,
+    )
+
+
+def vocab_parallel_token_logprobs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    top1: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> TokenLogprobs:
+    """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input`` and ``target``; every rank gets the same outputs, equal to
+    ``token_logprobs`` on the full weight. The row statistics are combined with the
+    collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
+    rows, in forward and again in backward, plus one all_reduce of the input gradient);
+    the entropy's and top-1's row sums ride in the same SUM all_reduce.
+
+    Example (under ``torchrun``)::
+
+        >>> out = vocab_parallel_token_logprobs(hidden, shard, ids, shift=True, entropy=True)
+    """
+    _reject_dtensors(
+        input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias
+    )
+    if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
+        raise ValueError(
+            f"vocab_parallel_token_logprobs: linear_weight must be this rank's shard "
+            f"(V_local, in_features), got {getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
+        )
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise ValueError(
+            "vocab_parallel_token_logprobs: target must be an integer tensor of token ids"
+        )
+    _require_group(process_group)
+    vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
+    options = resolve_options(options, "vocab_parallel_token_logprobs")
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=None,
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        softcap=softcap,
+        shift=shift,
+        num_classes=num_classes,
+    )
+    check_scales("vocab_parallel_token_logprobs", logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    _check_targets(call, num_classes)
+    rows, in_features = call.input.shape
+    world = dist.get_world_size(process_group)
+    plan = make_plan(
+        rows,
+        in_features,
+        -(-num_classes // world),
+        call.input.dtype,
+        call.input.device,
+        options,
+        tiles=tiles_for(entropy, call.transform, True),
+    )
+    spec = _TokenSpec(
+        call, plan, VocabShard(vocab_start, num_classes, process_group), entropy, top1
+    )
+    logprob, ent, is_top1 = _VocabParallelTokenLogprobs.apply(
+        call.input, call.linear_weight, call.linear_bias, spec
+    )
+    shape = call.loss_shape
+    return TokenLogprobs(
+        logprob.view(shape),
+        ent.view(shape) if entropy else None,
+        is_top1.view(shape) if top1 else None,
     )

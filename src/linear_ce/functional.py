@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -10,8 +11,10 @@ from linear_ce.arguments import check_call
 from linear_ce.ops import chunked_rows, chunked_scalar
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.plan import acc_dtype_for
+from linear_ce.transform import check_scales
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "reported_dtype"]
 
 
 @torch.compiler.assume_constant_result
@@ -32,6 +35,23 @@ def _promote_retain_graph() -> bool:
     return True
 
 
+def reported_dtype(
+    input: torch.Tensor, options: LinearCrossEntropyOptions, loss_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype the loss is returned in (see ``loss_dtype`` of :func:`linear_cross_entropy`)."""
+    acc = acc_dtype_for(input.dtype, options.acc_dtype)
+    if loss_dtype is None:
+        device = input.device.type
+        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+        return acc if autocast else input.dtype
+    if loss_dtype not in (input.dtype, acc):
+        raise ValueError(
+            f"linear_cross_entropy: loss_dtype must be None, the input dtype {input.dtype} or "
+            f"the accumulation dtype {acc}, got {loss_dtype!r}"
+        )
+    return loss_dtype
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -49,6 +69,9 @@ def linear_cross_entropy(
     softcap: float | None = None,
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+    loss_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r"""Cross entropy of a linear projection, without materialising the logits.
 
@@ -95,6 +118,17 @@ def linear_cross_entropy(
             ignored. The hidden states are not copied.
         token_weight: ``(*)`` per-row weights :math:`\tau` multiplied into each
             row's loss; the "mean" denominator does not include them.
+        logit_scale: :math:`\sigma > 0`; the logits are ``(input Wᵀ + b)·σ`` before the
+            softcap (Cohere, Granite, Falcon-H1 scale their logits).
+        temperature: :math:`T > 0`; the (softcapped) logits are divided by it last.
+        loss_dtype: the dtype of the returned loss (per-row losses for ``"none"``):
+            ``None`` is the input dtype, as torch, except under ``torch.autocast``, where
+            it is the accumulation dtype (fp32 for half inputs), as autocast's
+            ``cross_entropy``; or the accumulation dtype explicitly (the loss is computed
+            there, so a bf16 run can log it unrounded). Gradients keep the parameters' dtypes.
+
+    Rows whose target is ``ignore_index`` cost nothing: they take part in no GEMM;
+    their ``"none"`` loss, lse and gradient are exactly zero.
 
     Returns:
         The loss, or :class:`LinearCrossEntropyOutput` ``(loss, z_loss, lse)``
@@ -123,7 +157,10 @@ def linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
     )
+    check_scales("linear_cross_entropy", logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
     options = resolve_options(options, "linear_cross_entropy")
+    reported = reported_dtype(call.input, options, loss_dtype)
     shared = (
         call.input,
         call.linear_weight,
@@ -146,13 +183,13 @@ def linear_cross_entropy(
             call.ignore_index,
             call.label_smoothing,
             call.z_loss,
-            call.softcap,
+            call.transform.as_list(),
             *settings,
             False,
             False,
             False,
         )[:3]
-        loss, z_term = loss.view(call.loss_shape), z_term.view(call.loss_shape)
+        loss, z_term = loss.view(call.loss_shape).to(reported), z_term.view(call.loss_shape)
     else:
         allow_retain_graph = options.allow_retain_graph
         if not allow_retain_graph and torch.compiler.is_compiling():
@@ -165,13 +202,14 @@ def linear_cross_entropy(
             call.ignore_index,
             call.label_smoothing,
             call.z_loss,
-            call.softcap,
+            call.transform.as_list(),
             *settings,
             allow_retain_graph,
             grad_on and call.input.requires_grad,
             grad_on and call.linear_weight.requires_grad,
             grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
         )[:3]
+        loss = loss.to(reported)
     if not (return_z_loss or return_lse):
         return loss
     return LinearCrossEntropyOutput(

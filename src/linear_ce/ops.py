@@ -10,8 +10,9 @@ Two ops, because their autograd differs:
   into the row scale (one extra logits GEMM per chunk, no ``(N, V)`` state).
 
 Both take the flattened call of :class:`linear_ce.arguments.Call` and return
-``(loss, z_loss, lse, ...)``; ``z_loss`` and ``lse`` are for logging and get
-no gradient.
+``(loss, z_loss, lse, ...)`` in the accumulation dtype (the public function
+rounds the loss to the dtype it reports); ``z_loss`` and ``lse`` are for
+logging and get no gradient.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from linear_ce.arguments import Call
-from linear_ce.chunked import ChunkResult, run_chunks
+from linear_ce.chunked import Gradients, tiles_for
+from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.rows import row_terms
+from linear_ce.transform import LogitTransform
 
 __all__ = ["chunked_rows", "chunked_scalar", "hand_over_gradients"]
 
@@ -40,8 +42,9 @@ def _call(
     ignore_index,
     label_smoothing,
     z_loss,
-    softcap,
+    transform,
 ) -> Call:
+    logit_scale, softcap, temperature = LogitTransform.from_list(transform).as_tuple()
     return Call(
         input=input,
         linear_weight=linear_weight,
@@ -57,26 +60,35 @@ def _call(
         softcap=softcap,
         loss_shape=tuple(target.shape),
         weight_shape=tuple(linear_weight.shape),
+        logit_scale=logit_scale,
+        temperature=temperature,
     )
 
 
-def _check_targets(call: Call, num_classes: int | None = None) -> None:
+def check_class_indices(
+    target: torch.Tensor, ignore_index: int, num_classes: int, name: str = "linear_cross_entropy"
+) -> None:
     """Class indices must lie in [0, C) or equal ignore_index; say which value does not.
+    Runs inside the ops, so a compiled graph does not guard on the targets' values."""
+    if target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(
+            f"{name}: target contains class index {value}, outside [0, "
+            f"{num_classes}) and not ignore_index={ignore_index}"
+        )
 
-    ``num_classes`` is the whole vocabulary's ``C`` for a vocab-parallel shard.
-    """
-    if call.probability_target or call.target.numel() == 0:
+
+def _check_targets(call: Call, num_classes: int | None = None) -> None:
+    """:func:`check_class_indices` of a class-index call; ``num_classes`` is the whole
+    vocabulary's ``C`` for a vocab-parallel shard."""
+    if call.probability_target:
         return
     if num_classes is None:
         num_classes = call.linear_weight.shape[0]
-    t = call.target
-    bad = (t != call.ignore_index) & ((t < 0) | (t >= num_classes))
-    if bool(bad.any()):
-        value = int(t[bad][0])
-        raise ValueError(
-            f"linear_cross_entropy: target contains class index {value}, outside [0, "
-            f"{num_classes}) and not ignore_index={call.ignore_index}"
-        )
+    check_class_indices(call.target, call.ignore_index, num_classes)
 
 
 def _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype) -> LinearCrossEntropyOptions:
@@ -88,7 +100,7 @@ def _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype) -> Linear
     )
 
 
-def _plan(call: Call, options: LinearCrossEntropyOptions):
+def _plan(call: Call, options: LinearCrossEntropyOptions, tiles: int):
     rows, in_features = call.input.shape
     return make_plan(
         rows,
@@ -97,15 +109,16 @@ def _plan(call: Call, options: LinearCrossEntropyOptions):
         call.input.dtype,
         call.input.device,
         options,
-        softcap=call.softcap is not None,
+        tiles=tiles,
     )
 
 
-def _gradient_outputs(result: ChunkResult, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _gradient_outputs(grads: Gradients, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The three gradient slots of an op's result; an op cannot return ``None``, so a
     gradient that was not computed is an empty tensor."""
-    grads = (result.grad_input, result.grad_weight, result.grad_bias)
-    return tuple(like.new_empty((0,)) if g is None else g for g in grads)
+    return tuple(
+        like.new_empty((0,)) if g is None else g for g in (grads.input, grads.weight, grads.bias)
+    )
 
 
 @torch.library.custom_op("linear_ce::chunked_scalar", mutates_args=())
@@ -121,7 +134,7 @@ def chunked_scalar(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float | None,
+    transform: list[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
@@ -156,24 +169,18 @@ def chunked_scalar(
         ignore_index,
         label_smoothing,
         z_loss,
-        softcap,
+        transform,
     )
     _check_targets(call)
-    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
-    terms = row_terms(call, plan.acc_dtype)
-    result = run_chunks(
-        call,
-        terms,
-        plan,
-        grad_input=need_grad_input,
-        grad_weight=need_grad_weight,
-        grad_bias=need_grad_bias,
-    )
+    needs = (need_grad_input, need_grad_weight, need_grad_bias)
+    tiles = tiles_for(CrossEntropyHead.keeps_logits, call.transform, any(needs))
+    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype), tiles)
+    terms, head, grads = run_cross_entropy(call, plan, needs=needs)
     return (
-        terms.reduce(result.row_loss).to(input.dtype),
-        terms.reduce(terms.z_rows(result.lse)).to(plan.acc_dtype),
-        result.lse,
-        *_gradient_outputs(result, input),
+        terms.reduce(head.row_loss),
+        terms.reduce(terms.z_rows(head.lse)).to(plan.acc_dtype),
+        head.lse,
+        *_gradient_outputs(grads, input),
     )
 
 
@@ -183,7 +190,7 @@ def _fake_outputs(input, linear_weight, acc_dtype, loss_shape, needs):
     lse_shape = (input.shape[0], linear_weight.shape[1])
     grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:2])
     return (
-        input.new_empty(loss_shape),
+        input.new_empty(loss_shape, dtype=acc),
         input.new_empty(loss_shape, dtype=acc),
         input.new_empty(lse_shape, dtype=acc),
         *(
@@ -206,7 +213,7 @@ def _chunked_scalar_fake(
     ignore_index,
     label_smoothing,
     z_loss,
-    softcap,
+    transform,
     batch_chunk_size,
     chunking_method,
     acc_policy,
@@ -291,7 +298,7 @@ def chunked_rows(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float | None,
+    transform: list[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
@@ -315,25 +322,23 @@ def chunked_rows(
         ignore_index,
         label_smoothing,
         z_loss,
-        softcap,
+        transform,
     )
     _check_targets(call)
-    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype))
-    terms = row_terms(call, plan.acc_dtype, grad_output=grad_output)
     backward = grad_output is not None
-    result = run_chunks(
-        call,
-        terms,
-        plan,
-        grad_input=backward and need_grad_input,
-        grad_weight=backward and need_grad_weight,
-        grad_bias=backward and need_grad_bias,
+    needs = (
+        backward and need_grad_input,
+        backward and need_grad_weight,
+        backward and need_grad_bias,
     )
+    tiles = tiles_for(CrossEntropyHead.keeps_logits, call.transform, any(needs))
+    plan = _plan(call, _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype), tiles)
+    terms, head, grads = run_cross_entropy(call, plan, needs=needs, grad_output=grad_output)
     return (
-        result.row_loss.to(input.dtype),
-        terms.z_rows(result.lse),
-        result.lse,
-        *_gradient_outputs(result, input),
+        head.row_loss,
+        terms.z_rows(head.lse),
+        head.lse,
+        *_gradient_outputs(grads, input),
     )
 
 
@@ -350,7 +355,7 @@ def _chunked_rows_fake(
     ignore_index,
     label_smoothing,
     z_loss,
-    softcap,
+    transform,
     batch_chunk_size,
     chunking_method,
     acc_policy,

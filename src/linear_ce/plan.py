@@ -72,12 +72,12 @@ def choose_chunk_rows(
     options: LinearCrossEntropyOptions,
     input_dtype: torch.dtype,
     acc_dtype: torch.dtype,
-    softcap: bool = False,
+    tiles: int = 1,
 ) -> int:
     """Rows per chunk, by the documented rule of ``options.chunking_method``.
 
-    ``"budget[:N]"`` (what ``"auto"`` means): the ``(chunk, V)`` scratch (two
-    buffers with softcap) may take ``BUDGET_SHARE / N`` of the gradients' bytes
+    ``"budget[:N]"`` (what ``"auto"`` means): the ``tiles`` ``(chunk, V)`` scratch
+    buffers of the chunk loop (:func:`linear_ce.chunked.tiles_for`) may take ``BUDGET_SHARE / N`` of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
     than ``rows``.
@@ -95,7 +95,7 @@ def choose_chunk_rows(
         target = -(-rows // ratio)
         return max(1, min((1 << (target - 1).bit_length()) // divisor, rows))
     grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
-    row_bytes = num_classes * acc_dtype.itemsize * (2 if softcap else 1)
+    row_bytes = num_classes * acc_dtype.itemsize * tiles
     budget_rows = int(BUDGET_SHARE * grad_bytes / divisor) // max(row_bytes, 1)
     if budget_rows >= ROW_MULTIPLE:
         budget_rows -= budget_rows % ROW_MULTIPLE
@@ -123,7 +123,7 @@ def make_plan(
     input_dtype: torch.dtype,
     device: torch.device,
     options: LinearCrossEntropyOptions,
-    softcap: bool = False,
+    tiles: int = 1,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -167,7 +167,7 @@ def make_plan(
         weight_grad = "wide"
     return Plan(
         rows_per_chunk=choose_chunk_rows(
-            rows, in_features, num_classes, options, input_dtype, acc_dtype, softcap
+            rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles
         ),
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,

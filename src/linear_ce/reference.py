@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from linear_ce.arguments import check_call
 from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.transform import LogitTransform, check_scales
 
 __all__ = ["linear_cross_entropy"]
 
@@ -33,13 +34,17 @@ def linear_cross_entropy(
     softcap: float | None = None,
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r"""``cross_entropy(linear(input, W, b), target)`` computed the plain way.
 
-    With ``softcap`` the logits become ``softcap·tanh(logits/softcap)``; with
+    The logits are scaled by ``logit_scale``, then softcapped
+    (``softcap·tanh(logits/softcap)``), then divided by ``temperature``; with
     ``z_loss`` each row adds ``z_loss·ω·lse²``; ``token_weight`` multiplies each
     row's loss; ``shift`` moves the labels (see
     :func:`linear_ce.linear_cross_entropy`). ``options`` is accepted and ignored.
+    ``lse`` is zero on ignored rows (they carry no loss, as in the chunked path).
 
     Example::
 
@@ -61,13 +66,14 @@ def linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
     )
+    check_scales("linear_cross_entropy", logit_scale, temperature)
+    transform = LogitTransform(logit_scale, call.softcap, temperature)
     rows, positions = call.input.shape[0], call.linear_weight.shape[1]
     num_classes = call.linear_weight.shape[0]
     flat_weight = call.linear_weight.reshape(num_classes * positions, -1)
     flat_bias = None if call.linear_bias is None else call.linear_bias.reshape(-1)
     logits = F.linear(call.input, flat_weight, flat_bias).view(rows, num_classes, positions)
-    if call.softcap is not None:
-        logits = call.softcap * torch.tanh(logits / call.softcap)
+    logits = transform.plain(logits)
     # torch's cross_entropy takes int64 class indices only; int32/int16/... are accepted here.
     target = call.target if call.probability_target else call.target.long()
     if positions == 1:
@@ -101,6 +107,7 @@ def linear_cross_entropy(
         row_weight = torch.ones_like(per_row)
     else:
         valid = call.target != call.ignore_index
+        lse = torch.where(valid, lse, 0.0)
         row_weight = valid.to(per_row.dtype)
         if call.class_weight is not None:
             safe = torch.where(valid, call.target, 0).long()

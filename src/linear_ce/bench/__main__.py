@@ -9,6 +9,7 @@ Example::
 
     python -m linear_ce.bench                                  # the default report
     python -m linear_ce.bench --shapes 4096,2048,50257 --dtype fp32 --sweep none
+    python -m linear_ce.bench --shapes 4096,1024,32768 --dtype fp32 --sweep none --ignored 0.75
     python -m linear_ce.bench --device cuda --shapes 8192,4096,128256
 """
 
@@ -54,6 +55,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dtypes the sweep runs in (default: the first of --dtype)",
     )
     parser.add_argument(
+        "--ignored",
+        default="0.75",
+        help="shares of targets set to the ignore index, each measured at the first shape "
+        "in the first dtype (rows then cost no GEMM in linear_ce); 'none' to skip "
+        "(default 0.75)",
+    )
+    parser.add_argument(
+        "--heads",
+        default="ce,logprobs,objective",
+        help="what is computed: 'ce' (the loss; every shape and the sweep), 'logprobs' "
+        "(per-token log-probabilities and entropy with upstream gradients on both) and "
+        "'objective' (a clipped policy-gradient step), the last two at the first shape in "
+        "the first dtype (default ce,logprobs,objective)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -67,11 +83,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", default="bench-out/bench.json", help="JSON output path")
     parser.add_argument("--plot", default="bench-out/bench.png", help="PNG output path")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="measure nothing: print the table and draw --plot from a stored run's JSON",
+    )
     args = parser.parse_args(argv)
     try:
         args.shape_list = config.parse_shapes(args.shapes)
         args.dtype_list = config.parse_dtypes(args.dtype)
         args.sweep_spec = config.parse_sweep(args.sweep)
+        args.ignored_list = config.parse_fractions(args.ignored)
+        args.head_list = config.parse_heads(args.heads)
         args.sweep_dtypes = (
             args.dtype_list[:1]
             if args.sweep_dtype is None
@@ -90,8 +114,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _title(meta: dict) -> str:
+    info = meta["machine"]
+    return (
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+        + (f", {info['gpu']}" if meta["device"] == "cuda" and "gpu" in info else "")
+        + f"; median of {meta['repeats']} interleaved repeats"
+    )
+
+
+def _replot(args: argparse.Namespace) -> int:
+    """The table and the plot of a stored run; the swept dimension is the one that varies."""
+    from rich.console import Console
+
+    meta, summaries = report.read_json(Path(args.replot))
+    varies = [d for d in "NDV" if len({getattr(p, d) for p, _ in summaries}) > 1]
+    Console(width=None if sys.stdout.isatty() else 132).print(report.table(summaries, _title(meta)))
+    report.write_plot(summaries, varies[0] if varies else "V", Path(args.plot), _title(meta))
+    print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        return _replot(args)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -104,9 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     # A pipe or CI log gets a table wide enough to read, not the 80-column default.
     console = Console(width=None if sys.stdout.isatty() else 132)
     points = config.points(
-        args.shape_list, args.dtype_list, args.device, args.sweep_spec, args.sweep_dtypes
+        args.shape_list,
+        args.dtype_list,
+        args.device,
+        args.sweep_spec,
+        args.sweep_dtypes,
+        tuple(args.ignored_list),
+        tuple(args.head_list),
     )
-    total = len(points) * len(args.variant_list) * (args.repeats + 1)
+    total = sum(
+        sum(point.head in VARIANTS[name].heads for name in args.variant_list) for point in points
+    ) * (args.repeats + 1)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -131,15 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             ["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])]
         ),
     }
-    info = meta["machine"]
-    title = (
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
-        + (f", {info['gpu']}" if args.device == "cuda" and "gpu" in info else "")
-        + f"; median of {args.repeats} interleaved repeats"
-    )
+    title = _title(meta)
     console.print(report.table(summaries, title))
     dim = args.sweep_spec[0] if args.sweep_spec else "V"
-    report.write_plot(summaries, dim, Path(args.plot), title)
+    report.write_plot([s for s in summaries if s[0].swept], dim, Path(args.plot), title)
     report.write_json(summaries, meta, Path(args.json))
     console.print(f"plot: {args.plot}   json: {args.json}")
     return 0

@@ -6,7 +6,17 @@ import dataclasses
 
 import torch
 
-__all__ = ["DTYPES", "Point", "parse_dtypes", "parse_shapes", "parse_sweep", "points"]
+__all__ = [
+    "DTYPES",
+    "HEADS",
+    "Point",
+    "parse_dtypes",
+    "parse_fractions",
+    "parse_heads",
+    "parse_shapes",
+    "parse_sweep",
+    "points",
+]
 
 DTYPES = {
     "fp32": torch.float32,
@@ -26,15 +36,29 @@ _SHORT = {
 }
 
 
+#: The heads a point can measure: the cross-entropy loss; per-token log-probabilities and
+#: entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both; a PPO/GRPO
+#: clipped policy-gradient step (:func:`linear_ce.token_objective`).
+HEADS = ("ce", "logprobs", "objective")
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One measured configuration: ``N`` rows, ``D`` features, ``V`` classes."""
+    """One measured configuration: ``N`` rows, ``D`` features, ``V`` classes, the share
+    of targets set to the ignore index and the head measured."""
 
     N: int
     D: int
     V: int
     dtype: str
     device: str
+    ignored: float = 0.0
+    head: str = "ce"
+
+    @property
+    def swept(self) -> bool:
+        """Whether the point belongs to the plotted sweep (plain cross-entropy, no masking)."""
+        return self.head == "ce" and self.ignored == 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -47,7 +71,10 @@ class Point:
 
     @property
     def label(self) -> str:
-        return f"N={self.N} D={self.D} V={self.V} {self.dtype}"
+        extra = "" if self.head == "ce" else f" {self.head}"
+        if self.ignored:
+            extra += f" {self.ignored:.0%} ignored"
+        return f"N={self.N} D={self.D} V={self.V} {self.dtype}{extra}"
 
 
 def _positive(text: str, what: str) -> int:
@@ -95,17 +122,47 @@ def parse_sweep(text: str | None) -> tuple[str, list[int]] | None:
     return dim, [_positive(v.strip(), f"each {dim} of --sweep") for v in values.split(",")]
 
 
+def parse_fractions(text: str | None) -> list[float]:
+    """``"0.5,0.75"`` -> ``[0.5, 0.75]`` (each in ``(0, 1)``); ``None``/``"none"`` -> ``[]``."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return []
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = -1.0
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"--ignored takes fractions in (0, 1), got {part.strip()!r}")
+        values.append(value)
+    return values
+
+
+def parse_heads(text: str) -> list[str]:
+    """``"ce,logprobs"`` -> names checked against :data:`HEADS`; ``"ce"`` must come first."""
+    heads = [h.strip() for h in text.split(",") if h.strip()]
+    unknown = [h for h in heads if h not in HEADS]
+    if unknown or not heads:
+        raise ValueError(f"unknown head(s) {unknown}; choose from {', '.join(HEADS)}")
+    return heads
+
+
 def points(
     shapes: list[tuple[int, int, int]],
     dtypes: list[str],
     device: str,
     sweep: tuple[str, list[int]] | None,
     sweep_dtypes: list[str],
+    ignored: tuple[float, ...] = (),
+    heads: tuple[str, ...] = ("ce",),
 ) -> list[Point]:
     """The main shapes in every dtype, then the sweep around the first shape.
 
     The sweep varies one dimension of the first shape (the shape itself is
     one of its points) in ``sweep_dtypes``; duplicates are measured once.
+    Each share in ``ignored`` adds the first shape in the first dtype with that share of
+    targets ignored; each head other than ``"ce"`` adds the first shape in the first dtype
+    (``--dtype bf16`` measures them in bf16).
     """
     result: list[Point] = []
     for dtype in dtypes:
@@ -118,5 +175,11 @@ def points(
             for value in values:
                 sizes = {"N": n, "D": d, "V": v, dim: value}
                 result.append(Point(sizes["N"], sizes["D"], sizes["V"], dtype, device))
+    n, d, v = shapes[0]
+    result.extend(Point(n, d, v, dtypes[0], device, ignored=share) for share in ignored)
+    result.extend(Point(n, d, v, dtypes[0], device, head=head) for head in heads if head != "ce")
     unique = list(dict.fromkeys(result))
-    return sorted(unique, key=lambda p: (p.dtype != dtypes[0], p.N * p.D * p.V))
+    return sorted(
+        unique,
+        key=lambda p: (p.dtype != dtypes[0], not p.swept, p.head, p.ignored, p.N * p.D * p.V),
+    )

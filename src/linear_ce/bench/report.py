@@ -22,7 +22,17 @@ from linear_ce.bench.config import Point
 from linear_ce.bench.runner import Measured
 from linear_ce.bench.variants import VARIANTS, reference_variant
 
-__all__ = ["Row", "machine", "summarize", "table", "write_json", "write_plot"]
+__all__ = [
+    "COLORS",
+    "Row",
+    "machine",
+    "plot",
+    "read_json",
+    "summarize",
+    "table",
+    "write_json",
+    "write_plot",
+]
 
 _MIB = 2**20
 
@@ -114,18 +124,104 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
     return out
 
 
-def _color(variant: str):
-    import matplotlib
+# One colour per variant, the same in every panel, picked by hand so that variants drawn
+# together cannot be confused: linear_ce red and its forward-only row blue, the floors in
+# greys (and dashed), the plain expression greens, torch's builtin purple and brown.
+COLORS = {
+    "floor": "#000000",
+    "floor-fp32": "#555555",
+    "plain": "#2ca02c",
+    "plain-compile": "#a6c93a",
+    "torch": "#9467bd",
+    "torch-512": "#8c564b",
+    "linear_ce": "#d62728",
+    "linear_ce-accurate": "#ff7f0e",
+    "linear_ce-balanced": "#e377c2",
+    "linear_ce-compact": "#17becf",
+    "cce": "#f2c500",
+    "liger": "#004d40",
+    "floor-fwd": "#a0a0a0",
+    "linear_ce-fwd": "#1f4fd6",
+}
 
-    # tab20's dark shades first, then its light ones: 20 distinguishable colours.
-    index = list(VARIANTS).index(variant)
-    return matplotlib.colormaps["tab20"]((2 * index) % 20 + (2 * index) // 20 % 2)
+
+def _style(variant: str) -> dict:
+    """Colour per variant; dashed for the floors; triangles for forward-only rows."""
+    return {
+        "color": COLORS[variant],
+        "linestyle": "--" if variant.startswith("floor") else "-",
+        "marker": "^" if VARIANTS[variant].kind == "forward" else "o",
+        "linewidth": 2.5 if variant == "linear_ce" else 1.5,
+    }
 
 
-def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str) -> None:
-    """PNG of time (× the floor measured in the same run) and transient memory
-    (× grads) against ``dim`` (N, D or V), one column per dtype; points that share
-    the other two dimensions form a line."""
+_PANELS = (
+    ("ratio", "time / floor (same run)"),
+    ("peak_ratio", "transient peak / gradients' bytes"),
+)
+
+
+def _draw_lines(axes, summaries: list[tuple[Point, list[Row]]], dim: str) -> None:
+    """Each variant a line against ``dim``; one line per shape of the other two dimensions."""
+    fixed = [d for d in "NDV" if d != dim]
+    series: dict[tuple, list[tuple[int, Row]]] = {}
+    for point, rows in summaries:
+        others = tuple(getattr(point, d) for d in fixed)
+        for row in rows:
+            if row.ratio is not None:
+                series.setdefault((others, row.variant), []).append((getattr(point, dim), row))
+    several = len({others for others, _ in series}) > 1
+    order = list(VARIANTS)
+    for (others, variant), line in sorted(
+        series.items(), key=lambda i: (i[0][0], order.index(i[0][1]))
+    ):
+        line.sort(key=lambda item: item[0])
+        where = ", ".join(f"{d}={v}" for d, v in zip(fixed, others, strict=True))
+        label = f"{variant} ({where})" if several else variant
+        for ax, (field, _) in zip(axes, _PANELS, strict=True):
+            ys = [getattr(row, field) for _, row in line]
+            ax.plot([x for x, _ in line], ys, label=label, **_style(variant))
+    for ax, (_, ylabel) in zip(axes, _PANELS, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(dim)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+
+
+def _draw_bars(axes, summaries: list[tuple[Point, list[Row]]]) -> None:
+    """One group of bars per measured point (no sweep to draw a line through), each bar a
+    variant, its value written on it; a line at 1 marks the floor."""
+    measured_rows = [[row for row in rows if row.ratio is not None] for _, rows in summaries]
+    width = 0.8 / max(1, *map(len, measured_rows))
+    for group, measured in enumerate(measured_rows):
+        for i, row in enumerate(measured):
+            x = group + (i - (len(measured) - 1) / 2) * width
+            style = _style(row.variant)
+            for ax, (field, _) in zip(axes, _PANELS, strict=True):
+                value = getattr(row, field)
+                ax.bar(
+                    x,
+                    value,
+                    width * 0.9,
+                    color=style["color"],
+                    hatch="//" if row.variant.startswith("floor") else None,
+                    edgecolor="white",
+                    label=row.variant if group == 0 else None,
+                )
+                ax.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=6)
+    for ax, (_, ylabel) in zip(axes, _PANELS, strict=True):
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+        ax.set_xticks(range(len(summaries)), [p.label for p, _ in summaries], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot(summaries: list[tuple[Point, list[Row]]], dim: str, title: str):
+    """A :class:`matplotlib.figure.Figure` of time (× the floor measured in the same run)
+    and transient memory (× grads), one column per dtype. A dtype measured at several
+    values of ``dim`` (N, D or V) is drawn as lines against it (points that share the
+    other two dimensions form a line); a dtype measured at one value, as bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,51 +230,24 @@ def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, t
     dtypes = list(dict.fromkeys(p.dtype for p, _ in summaries))
     fig, axes = plt.subplots(2, len(dtypes), figsize=(6.5 * len(dtypes), 8), squeeze=False)
     for col, dtype in enumerate(dtypes):
-        series: dict[tuple, dict[str, list]] = {}
-        for point, rows in summaries:
-            if point.dtype != dtype:
-                continue
-            others = tuple(getattr(point, d) for d in "NDV" if d != dim)
-            for row in rows:
-                if row.ratio is None:
-                    continue
-                line = series.setdefault((others, row.variant), {"x": [], "t": [], "m": []})
-                line["x"].append(getattr(point, dim))
-                line["t"].append(row.ratio)
-                line["m"].append(row.peak_ratio)
-        fixed = [d for d in "NDV" if d != dim]
-        for (others, variant), line in sorted(series.items()):
-            order = sorted(range(len(line["x"])), key=line["x"].__getitem__)
-            xs = [line["x"][i] for i in order]
-            label = (
-                variant
-                if len({o for o, _ in series}) == 1
-                else (
-                    f"{variant} ({', '.join(f'{d}={v}' for d, v in zip(fixed, others, strict=True))})"
-                )
-            )
-            # One colour per variant in every panel.
-            style = {
-                "linestyle": "--" if variant.startswith("floor") else "-",
-                "marker": "o",
-                "color": _color(variant),
-                "label": label,
-            }
-            axes[0][col].plot(xs, [line["t"][i] for i in order], **style)
-            axes[1][col].plot(xs, [line["m"][i] for i in order], **style)
-        for row, ylabel in enumerate(
-            ["time / floor (same run)", "transient peak / gradients' bytes"]
-        ):
-            ax = axes[row][col]
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(dim)
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0][col].set_title(f"{dtype} (train: forward + backward; *-fwd: forward only)")
+        mine = [(p, rows) for p, rows in summaries if p.dtype == dtype]
+        column = (axes[0][col], axes[1][col])
+        if len({getattr(p, dim) for p, _ in mine}) > 1:
+            _draw_lines(column, mine, dim)
+        else:
+            _draw_bars(column, mine)
+        axes[0][col].set_title(f"{dtype} (train: forward + backward; ▲ *-fwd: forward only)")
         axes[0][col].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, title: str) -> None:
+    """:func:`plot` written to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = plot(summaries, dim, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -222,3 +291,17 @@ def write_json(summaries: list[tuple[Point, list[Row]]], meta: dict, path: Path)
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_json(path: Path) -> tuple[dict, list[tuple[Point, list[Row]]]]:
+    """What :func:`write_json` wrote: the run's settings and its summaries."""
+    data = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Point)}
+    summaries = [
+        (
+            Point(**{k: v for k, v in point.items() if k in fields}),
+            [Row(**row) for row in point["rows"]],
+        )
+        for point in data.pop("points")
+    ]
+    return data, summaries

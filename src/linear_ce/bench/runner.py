@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 
 from linear_ce.bench.config import Point
+from linear_ce.bench.variants import VARIANTS
 
 __all__ = ["Measured", "run_points"]
 
@@ -73,8 +74,9 @@ def run_points(
     repeats: int,
     advance: Callable[[str, int], None],
 ) -> list[dict[str, Measured]]:
-    """Measure ``names`` at each point; ``advance(text, calls)`` reports progress
-    (``repeats + 1`` calls per variant and point, skipped ones included).
+    """Measure ``names`` at each point (those whose heads include the point's head);
+    ``advance(text, calls)`` reports progress (``repeats + 1`` calls per variant and
+    point, skipped ones included).
 
     Returns, for each point, the measurements by variant name.
     """
@@ -82,11 +84,13 @@ def run_points(
     results = []
     try:
         for point in points:
-            measured = {name: Measured() for name in names}
-            for worker in workers.values():
-                worker.send({"op": "setup", "point": dataclasses.asdict(point)})
+            here = [name for name in names if point.head in VARIANTS[name].heads]
+            measured = {name: Measured() for name in here}
+            for name in here:
+                workers[name].send({"op": "setup", "point": dataclasses.asdict(point)})
             live = []
-            for name, worker in workers.items():
+            for name in here:
+                worker = workers[name]
                 answer = worker.receive()
                 if "unavailable" in answer:
                     measured[name].unavailable = answer["unavailable"]
@@ -94,7 +98,7 @@ def run_points(
                     measured[name].error = answer["error"]
                 else:
                     live.append(name)
-            advance(f"{point.label}: setup", (len(names) - len(live)) * (repeats + 1))
+            advance(f"{point.label}: setup", (len(here) - len(live)) * (repeats + 1))
             for name in live:
                 answer = workers[name].ask({"op": "run"})
                 advance(f"{point.label}: {name} warm-up", 1)
@@ -113,7 +117,8 @@ def run_points(
                     else:
                         measured[name].seconds.append(answer["seconds"])
                         measured[name].peak_bytes.append(answer["peak_bytes"])
-            for name, worker in list(workers.items()):
+            for name in here:
+                worker = workers[name]
                 if worker.process.poll() is not None:
                     worker.close()
                     workers[name] = _Worker(name)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from linear_ce.bench.config import Point
+from linear_ce.bench.config import HEADS, Point
 from linear_ce.capability import native_half_gemm
 
 __all__ = ["DEFAULT", "VARIANTS", "Variant", "make_inputs", "reference_variant"]
@@ -37,6 +37,8 @@ class Variant:
     build: Build
     unavailable: Callable[[Point], str | None]
     description: str
+    #: The point heads (:data:`linear_ce.bench.config.HEADS`) the variant is measured at.
+    heads: tuple[str, ...] = ("ce",)
 
 
 def _native(point: Point) -> bool:
@@ -62,6 +64,87 @@ def _floor(dtype: torch.dtype | None) -> Build:
             logits @ wd
             logits.T @ xd
 
+        return call
+
+    return build
+
+
+def _upstream(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random upstream gradients of the per-token log-probability and entropy."""
+    gen = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(t.shape, generator=gen).to(t.device, dtype) for _ in range(2))
+
+
+def _plain_logprobs(x, w, t):
+    logp = torch.log_softmax(F.linear(x, w), dim=-1)
+    valid = t != -100
+    lp = logp.gather(-1, torch.where(valid, t, 0)[:, None])[:, 0] * valid
+    return lp, -(logp.exp() * logp).sum(-1) * valid
+
+
+def _linear_ce_logprobs(x, w, t):
+    import linear_ce
+
+    out = linear_ce.token_logprobs(x, w, t, entropy=True)
+    return out.logprob, out.entropy
+
+
+def _train_logprobs(fn) -> Build:
+    def build(x, w, t):
+        g_lp, g_h = _upstream(t, x.dtype)
+
+        def call():
+            lp, ent = fn(x, w, t)
+            ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_h.to(ent.dtype)).sum()).backward()
+
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
+        return call
+
+    return build
+
+
+def _rl_side(t: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Old log-probabilities, advantages and token-mean weights of a GRPO-like step."""
+    gen = torch.Generator().manual_seed(2)
+    valid = (t != -100).to(dtype)
+    return {
+        "old_logprob": (-torch.rand(t.shape, generator=gen) * 3).to(t.device, dtype),
+        "advantage": torch.randn(t.shape, generator=gen).to(t.device, dtype),
+        "weight": valid / valid.sum().clamp(min=1),
+    }
+
+
+def _surrogate(logprob, old_logprob, advantage, weight):
+    ratio = torch.exp(logprob - old_logprob)
+    clipped = ratio.clamp(0.8, 1.2)
+    return (-torch.min(ratio * advantage, clipped * advantage) * weight).sum()
+
+
+def _objective(kind: str) -> Build:
+    def build(x, w, t):
+        side = _rl_side(t, torch.float32 if x.dtype in _HALF else x.dtype)
+
+        def call():
+            import linear_ce
+
+            if kind == "linear_ce":
+                linear_ce.token_objective(
+                    x, w, t, linear_ce.objectives.clipped_policy_gradient(0.2, 0.2), **side
+                ).backward()
+                return
+            if kind == "logprobs":
+                lp = linear_ce.token_logprobs(x, w, t).logprob
+            else:
+                lp, _ = _plain_logprobs(x, w, t)
+            _surrogate(lp, **side).backward()
+
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
         return call
 
     return build
@@ -187,6 +270,7 @@ VARIANTS: dict[str, Variant] = {
             _floor(None),
             _same_dtype_floor,
             "the three GEMMs alone, in the input dtype",
+            HEADS,
         ),
         Variant(
             "floor-fp32",
@@ -194,6 +278,7 @@ VARIANTS: dict[str, Variant] = {
             _floor(torch.float32),
             _half_only,
             "the three GEMMs alone, in fp32",
+            HEADS,
         ),
         Variant("plain", "train", _train(_plain), _always, "cross_entropy(linear(x, W), t), eager"),
         Variant(
@@ -258,6 +343,46 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "linear_ce forward only, no gradients",
         ),
+        Variant(
+            "logprobs-plain",
+            "train",
+            _train_logprobs(_plain_logprobs),
+            _always,
+            "log_softmax of the full logits, gathered, and its entropy; backward of both",
+            ("logprobs",),
+        ),
+        Variant(
+            "logprobs-linear_ce",
+            "train",
+            _train_logprobs(_linear_ce_logprobs),
+            _always,
+            "linear_ce.token_logprobs(entropy=True); backward of both",
+            ("logprobs",),
+        ),
+        Variant(
+            "objective-plain",
+            "train",
+            _objective("plain"),
+            _always,
+            "clipped policy gradient on log_softmax of the full logits",
+            ("objective",),
+        ),
+        Variant(
+            "objective-logprobs",
+            "train",
+            _objective("logprobs"),
+            _always,
+            "linear_ce.token_logprobs, then the same objective outside (4 GEMMs)",
+            ("objective",),
+        ),
+        Variant(
+            "objective-linear_ce",
+            "train",
+            _objective("linear_ce"),
+            _always,
+            "linear_ce.token_objective(clipped_policy_gradient) (3 GEMMs)",
+            ("objective",),
+        ),
     ]
 }
 
@@ -274,6 +399,11 @@ DEFAULT = (
     "liger",
     "floor-fwd",
     "linear_ce-fwd",
+    "logprobs-plain",
+    "logprobs-linear_ce",
+    "objective-plain",
+    "objective-logprobs",
+    "objective-linear_ce",
 )
 
 
@@ -286,12 +416,15 @@ def reference_variant(point: Point, kind: str) -> str:
 
 
 def make_inputs(point: Point, seed: int = 0) -> Inputs:
-    """Hidden states ``(N, D)``, weight ``(V, D)`` scaled so logits are O(1), targets ``(N,)``."""
+    """Hidden states ``(N, D)``, weight ``(V, D)`` scaled so logits are O(1), targets ``(N,)``
+    (a share ``point.ignored`` of them set to -100, the ignore index of every variant)."""
     gen = torch.Generator().manual_seed(seed)
     dtype, device = point.torch_dtype, torch.device(point.device)
     x = torch.randn(point.N, point.D, generator=gen).to(device=device, dtype=dtype)
     w = (torch.randn(point.V, point.D, generator=gen) * point.D**-0.5).to(
         device=device, dtype=dtype
     )
-    t = torch.randint(0, point.V, (point.N,), generator=gen).to(device)
-    return x.requires_grad_(), w.requires_grad_(), t
+    t = torch.randint(0, point.V, (point.N,), generator=gen)
+    if point.ignored:
+        t[torch.rand(point.N, generator=gen) < point.ignored] = -100
+    return x.requires_grad_(), w.requires_grad_(), t.to(device)

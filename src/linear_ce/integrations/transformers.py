@@ -25,6 +25,8 @@ number of non-ignored labels. Handled exactly like the model does:
 - tied embeddings (``lm_head.weight`` *is* ``embed_tokens.weight``; both
   uses add into one gradient);
 - ``config.final_logit_softcapping`` of Gemma 2 and Gemma 3;
+- the logit scale of Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and
+  Falcon-H1 (``lm_head_multiplier``), as ``logit_scale`` of the loss;
 - ``lm_head.bias`` (Phi);
 - autocast: hidden states and ``lm_head`` weights are cast to the autocast
   dtype, as ``lm_head`` itself would be.
@@ -71,6 +73,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from linear_ce.functional import linear_cross_entropy
 
 __all__ = [
+    "LOGIT_SCALES",
     "SUPPORTED_MODELS",
     "is_patched",
     "patch",
@@ -95,6 +98,20 @@ SUPPORTED_MODELS: dict[str, bool] = {
     "Olmo2ForCausalLM": False,
     "Starcoder2ForCausalLM": False,
     "SmolLM3ForCausalLM": False,
+    "CohereForCausalLM": False,
+    "Cohere2ForCausalLM": False,
+    "GraniteForCausalLM": False,
+    "FalconH1ForCausalLM": False,
+}
+
+#: Families that scale their logits after ``lm_head``: how to read the factor off the model
+#: (Cohere multiplies by ``logit_scale``, Granite divides by ``config.logits_scaling``,
+#: Falcon-H1 multiplies by ``lm_head_multiplier``). It becomes ``logit_scale`` of the loss.
+LOGIT_SCALES: dict[str, Callable[[nn.Module], float]] = {
+    "CohereForCausalLM": lambda model: model.logit_scale,
+    "Cohere2ForCausalLM": lambda model: model.logit_scale,
+    "GraniteForCausalLM": lambda model: 1.0 / model.config.logits_scaling,
+    "FalconH1ForCausalLM": lambda model: model.model.lm_head_multiplier,
 }
 
 _MARK = "__linear_ce_original__"
@@ -272,11 +289,11 @@ def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
     outputs = model.model(**arguments, return_dict=True)
     hidden = outputs.last_hidden_state
     target = labels if shift_labels is None else shift_labels
+    family = _family(type(model)).__name__
     softcap = (
-        getattr(model.config, "final_logit_softcapping", None)
-        if SUPPORTED_MODELS[_family(type(model)).__name__]
-        else None
+        getattr(model.config, "final_logit_softcapping", None) if SUPPORTED_MODELS[family] else None
     )
+    scale = LOGIT_SCALES.get(family)
     loss = _loss_through_head(
         model.lm_head,
         hidden,
@@ -284,6 +301,7 @@ def _training_forward(model: nn.Module, arguments: dict[str, Any]) -> Any:
         shift=shift_labels is None,
         ignore_index=ignore_index,
         softcap=softcap,
+        logit_scale=1.0 if scale is None else float(scale(model)),
         reduction="mean" if num_items_in_batch is None else "sum",
     ).float()
     if num_items_in_batch is not None:
@@ -313,7 +331,11 @@ def _loss_through_head(
             dtype = torch.get_autocast_dtype(device)
             input, weight = input.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        return linear_cross_entropy(input, weight, target, linear_bias=bias, **loss_args)
+        # The model's own loss upcasts the logits: report the loss at fp32, unrounded.
+        wide = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else None
+        return linear_cross_entropy(
+            input, weight, target, linear_bias=bias, loss_dtype=wide, **loss_args
+        )
 
     own_forward = vars(head).get("forward")
     head.forward = loss_forward

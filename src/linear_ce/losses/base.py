@@ -1,0 +1,76 @@
+r"""What a loss plug-in ("head") of the chunk loop provides.
+
+The loop (:mod:`linear_ce.chunked`) owns the GEMMs, the logits transform,
+the row maximum and the row sum of :math:`e^{u}` with :math:`u = s - \max_j s`.
+Per chunk it calls, in this order:
+
+1. ``sums_before_exp(u, rows, p, out)``: row sums the head needs from
+   :math:`u` (e.g. the target logit), written into ``out`` ``(B, extra_sums)``.
+2. ``sums_after_exp(u, e, out)``: row sums that need :math:`u` and
+   :math:`e = e^{u}` together (only when ``keeps_logits``; ``u`` may be
+   overwritten from here on).
+3. the loop sums ``out`` over vocabulary shards (one collective with
+   :math:`\sum_j e_j`), then ``rows_done(rows, p, stats)`` writes the
+   per-row outputs.
+4. only when gradients are wanted: ``grad_tile(u, e, rows, p, stats, factor)``
+   turns one of the two tiles into :math:`\partial L / \partial s` times
+   ``factor`` (the constant of the logits transform) and returns it.
+
+A head never issues a GEMM, never allocates anything that grows with
+``N·V``, and never knows the device or the vocabulary sharding beyond its
+slice ``[vocab_start, vocab_start + local_classes)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from linear_ce.row_chunks import RowChunk
+
+__all__ = ["Head", "RowStats"]
+
+
+@dataclasses.dataclass
+class RowStats:
+    """Statistics of one chunk's rows, each ``(B,)`` in the accumulation dtype, summed
+    over every vocabulary shard: ``row_max`` :math:`m`, ``sum_exp``
+    :math:`Z = \\sum_j e^{s_j - m}`, ``log_sum_exp`` :math:`\\log Z`, ``lse``
+    :math:`m + \\log Z`, and the head's own ``sums`` ``(B, extra_sums)``."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    log_sum_exp: torch.Tensor
+    lse: torch.Tensor
+    sums: torch.Tensor
+
+
+class Head(Protocol):
+    #: ``(N, P)`` bool: the rows (and positions) that carry an output; the others are skipped.
+    valid: torch.Tensor
+    #: Number of row sums the head adds to the loop's statistics.
+    extra_sums: int
+    #: Whether :math:`u` must survive the exponential (a second ``(B, V)`` tile).
+    keeps_logits: bool
+
+    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+        """Row sums read from :math:`u`, into ``out``."""
+
+    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+        """Row sums read from :math:`u` and :math:`e` together, into ``out``."""
+
+    def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
+        """Write the per-row outputs of ``rows`` at position ``p``."""
+
+    def grad_tile(
+        self,
+        u: torch.Tensor,
+        e: torch.Tensor,
+        rows: RowChunk,
+        p: int,
+        stats: RowStats,
+        factor: float,
+    ) -> torch.Tensor:
+        """Overwrite a tile with ``factor · ∂L/∂s`` and return it."""

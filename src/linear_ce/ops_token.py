@@ -1,0 +1,210 @@
+"""``linear_ce::token_rows``: per-token log-probability, entropy and top-1 as a custom op.
+
+Forward runs the chunk loop with :class:`~linear_ce.losses.token_logprob.TokenLogprobHead`
+and no gradient GEMM; the upstream gradients of ``logprob`` and ``entropy`` are
+known only in backward, which reruns the loop with them (one more logits GEMM
+per chunk, no ``(N, V)`` state). An upstream gradient that does not flow (an
+output nobody differentiated) is ``None`` and costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from linear_ce.chunked import Gradients, run_chunks, tiles_for
+from linear_ce.losses.token_logprob import TokenLogprobHead
+from linear_ce.ops import _gradient_outputs, _options, _vmap_by_loop, check_class_indices
+from linear_ce.plan import acc_dtype_for, make_plan
+from linear_ce.transform import LogitTransform
+
+__all__ = ["token_rows"]
+
+
+def _head_and_grads(
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    transform,
+    entropy,
+    top1,
+    options,
+    needs,
+) -> tuple[TokenLogprobHead, Gradients]:
+    check_class_indices(target, ignore_index, linear_weight.shape[0], "token_logprobs")
+    acc = acc_dtype_for(input.dtype, options.acc_dtype)
+    transform = LogitTransform.from_list(transform)
+    head = TokenLogprobHead(
+        target.long(),
+        target != ignore_index,
+        0,
+        linear_weight.shape[0],
+        acc,
+        entropy=entropy,
+        top1=top1,
+        grad_logprob=grad_logprob,
+        grad_entropy=grad_entropy,
+    )
+    rows, in_features = input.shape
+    plan = make_plan(
+        rows,
+        in_features,
+        linear_weight.shape[0],
+        input.dtype,
+        input.device,
+        options,
+        tiles=tiles_for(head.keeps_logits, transform, any(needs)),
+    )
+    need_x, need_w, need_b = needs
+    grads = run_chunks(
+        input,
+        linear_weight,
+        linear_bias,
+        head,
+        transform,
+        plan,
+        grad_input=need_x,
+        grad_weight=need_w,
+        grad_bias=need_b and linear_bias is not None,
+    )
+    return head, grads
+
+
+@torch.library.custom_op("linear_ce::token_rows", mutates_args=())
+def token_rows(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    linear_bias: torch.Tensor | None,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    ignore_index: int,
+    transform: list[float],
+    entropy: bool,
+    top1: bool,
+    batch_chunk_size: int | None,
+    chunking_method: str | None,
+    acc_policy: str,
+    acc_dtype: torch.dtype | None,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Without upstream gradients: ``(logprob, entropy, top1)`` of shape ``(N, P)``
+    (``entropy``/``top1`` empty unless asked for) and three empty gradients. With
+    ``grad_logprob`` and/or ``grad_entropy`` ``(N, P)``: their vector-Jacobian product
+    for input, weight and bias in the last three slots."""
+    backward = grad_logprob is not None or grad_entropy is not None
+    needs = (
+        backward and need_grad_input,
+        backward and need_grad_weight,
+        backward and need_grad_bias,
+    )
+    options = _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype)
+    head, grads = _head_and_grads(
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        transform,
+        entropy and not backward,
+        top1 and not backward,
+        options,
+        needs,
+    )
+    acc = head.logprob.dtype
+    return (
+        head.logprob,
+        head.entropy if entropy and not backward else input.new_empty((0,), dtype=acc),
+        head.top1 if top1 and not backward else input.new_empty((0,), dtype=torch.bool),
+        *_gradient_outputs(grads, input),
+    )
+
+
+@token_rows.register_fake
+def _token_rows_fake(
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    transform,
+    entropy,
+    top1,
+    batch_chunk_size,
+    chunking_method,
+    acc_policy,
+    acc_dtype,
+    need_grad_input,
+    need_grad_weight,
+    need_grad_bias,
+):
+    acc = acc_dtype_for(input.dtype, acc_dtype)
+    backward = grad_logprob is not None or grad_entropy is not None
+    rows_shape = target.shape
+    grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:-1])
+    needs = (need_grad_input, need_grad_weight, need_grad_bias and linear_bias is not None)
+    return (
+        input.new_empty(rows_shape, dtype=acc),
+        input.new_empty(rows_shape if entropy and not backward else (0,), dtype=acc),
+        input.new_empty(rows_shape if top1 and not backward else (0,), dtype=torch.bool),
+        *(
+            input.new_empty(shape if backward and need else (0,))
+            for shape, need in zip(grad_shapes, needs, strict=True)
+        ),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    input, linear_weight, target, linear_bias = inputs[:4]
+    ctx.save_for_backward(
+        input.detach(),
+        linear_weight.detach(),
+        target,
+        None if linear_bias is None else linear_bias.detach(),
+    )
+    ctx.args = inputs[6:14]
+
+
+def _backward(ctx, grad_logprob, grad_entropy, *_unused):
+    input, linear_weight, target, linear_bias = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need_input, need_weight = needs[0], needs[1]
+    need_bias = linear_bias is not None and needs[3]
+    result = [None] * 17
+    if (grad_logprob is None and grad_entropy is None) or not (
+        need_input or need_weight or need_bias
+    ):
+        return tuple(result)
+    outputs = token_rows(
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        None if grad_logprob is None else grad_logprob.contiguous(),
+        None if grad_entropy is None else grad_entropy.contiguous(),
+        *ctx.args,
+        need_input,
+        need_weight,
+        need_bias,
+    )
+    if need_input:
+        result[0] = outputs[3]
+    if need_weight:
+        result[1] = outputs[4]
+    if need_bias:
+        result[3] = outputs[5]
+    return tuple(result)
+
+
+token_rows.register_autograd(_backward, setup_context=_setup_context)
+token_rows.register_vmap(_vmap_by_loop(token_rows))

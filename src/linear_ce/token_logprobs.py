@@ -1,0 +1,152 @@
+"""The public function ``token_logprobs``: per-token log-probabilities, entropy and top-1."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from linear_ce.arguments import check_call
+from linear_ce.ops_token import token_rows
+from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.transform import check_scales
+
+__all__ = ["TokenLogprobs", "token_logprobs"]
+
+_NAME = "token_logprobs"
+
+
+class TokenLogprobs(NamedTuple):
+    """What :func:`token_logprobs` returns; each field has the target's shape.
+
+    ``logprob`` and ``entropy`` are in the accumulation dtype (float32 for
+    float16/bfloat16 inputs, float64 for float64); ``top1`` is bool. A field that was
+    not asked for is ``None``.
+    """
+
+    logprob: torch.Tensor
+    entropy: torch.Tensor | None
+    top1: torch.Tensor | None
+
+
+def token_logprobs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    top1: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> TokenLogprobs:
+    r"""Log-probability of each target token, and optionally the entropy and top-1 of
+    each next-token distribution, without materialising the logits.
+
+    With logits :math:`s = \mathrm{softcap}\big((x W^\top + b)\,\sigma\big) / T`
+    (logit scale :math:`\sigma`, softcap :math:`c\tanh(\cdot/c)` if set,
+    temperature :math:`T`) and :math:`p = \mathrm{softmax}(s)` per token:
+
+    .. math::
+        \mathrm{logprob} = \log p_{t}, \qquad
+        \mathrm{entropy} = -\sum_v p_v \log p_v, \qquad
+        \mathrm{top1} = [\,t = \arg\max_v s_v \text{ and the maximum is unique}\,].
+
+    Equal to ``torch.log_softmax(s, -1).gather(-1, t)`` (and the entropy of the
+    same distribution) computed over chunks of tokens: nothing of size ``N·V`` is
+    ever held. Gradients flow to ``input``, ``linear_weight`` and ``linear_bias``
+    from ``logprob`` and ``entropy`` (either may be unused: no work is done for a
+    gradient that does not flow); the backward recomputes each chunk's logits.
+    Tokens whose target is ``ignore_index`` take part in no GEMM; their outputs are
+    ``0`` / ``False`` and their gradient is zero.
+
+    Args:
+        input: ``(*, F)`` hidden states.
+        linear_weight: ``(V, F)`` output projection.
+        target: ``(*)`` token ids (integer), ``ignore_index`` where there is none.
+        linear_bias: ``(V,)`` or ``None``.
+        ignore_index: the target value of tokens without an output.
+        shift: ``True`` or ``k``: position ``t`` is scored against ``target[..., t + k]``
+            (the last ``k`` positions get no output), as in
+            :func:`linear_ce.linear_cross_entropy`.
+        temperature: :math:`T > 0`.
+        logit_scale: :math:`\sigma > 0`.
+        softcap: :math:`c > 0` or ``None``.
+        entropy: also return the entropy.
+        top1: also return whether the target is the unique argmax (not differentiable).
+        options: :class:`LinearCrossEntropyOptions` (chunking, precision).
+
+    Returns:
+        :class:`TokenLogprobs` ``(logprob, entropy, top1)``.
+
+    Example (a policy-gradient loss with an entropy bonus)::
+
+        >>> hidden = torch.randn(4, 32, 64, requires_grad=True)
+        >>> lm_head = torch.randn(1000, 64, requires_grad=True)
+        >>> ids = torch.randint(0, 1000, (4, 32))
+        >>> out = linear_ce.token_logprobs(hidden, lm_head, ids, shift=True, entropy=True)
+        >>> advantages = torch.randn(4, 1)
+        >>> loss = -(advantages * out.logprob).mean() - 0.01 * out.entropy.mean()
+        >>> loss.backward()
+    """
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise ValueError(
+            f"{_NAME}: target must be an integer tensor of token ids, got "
+            f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}"
+        )
+    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() != 2:
+        raise ValueError(
+            f"{_NAME}: linear_weight must have shape (V, in_features), got "
+            f"{tuple(linear_weight.shape)}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"{_NAME}: ignore_index must be an int, got {ignore_index!r}")
+    for name, flag in (("entropy", entropy), ("top1", top1)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{_NAME}: {name} must be a bool, got {flag!r}")
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=None,
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        softcap=softcap,
+        shift=shift,
+    )
+    check_scales(_NAME, logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    options = resolve_options(options, _NAME)
+    grad_on = torch.is_grad_enabled()
+    logprob, ent, is_top1 = token_rows(
+        call.input,
+        call.linear_weight,
+        call.target,
+        call.linear_bias,
+        None,
+        None,
+        call.ignore_index,
+        call.transform.as_list(),
+        entropy,
+        top1,
+        options.batch_chunk_size,
+        options.chunking_method,
+        options.acc_policy,
+        options.acc_dtype,
+        grad_on and call.input.requires_grad,
+        grad_on and call.linear_weight.requires_grad,
+        grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+    )[:3]
+    shape = call.loss_shape
+    return TokenLogprobs(
+        logprob.view(shape),
+        ent.view(shape) if entropy else None,
+        is_top1.view(shape) if top1 else None,
+    )

@@ -1,0 +1,216 @@
+"""The public function ``token_objective``: a token-local loss fused into the LM head."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from linear_ce.arguments import Call, check_call
+from linear_ce.chunked import run_chunks, tiles_for
+from linear_ce.losses.token_objective import ObjectiveHead
+from linear_ce.ops import check_class_indices, hand_over_gradients
+from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.plan import acc_dtype_for, make_plan
+from linear_ce.transform import check_scales
+
+__all__ = ["token_objective"]
+
+_NAME = "token_objective"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    call: Call
+    objective: Callable[..., torch.Tensor]
+    entropy: bool
+    side: dict[str, torch.Tensor]
+    options: LinearCrossEntropyOptions
+    needs: tuple[bool, bool, bool]
+
+
+class _TokenObjective(torch.autograd.Function):
+    """Forward runs the loop once and computes the gradients; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: _Spec):
+        call = spec.call
+        acc = acc_dtype_for(input.dtype, spec.options.acc_dtype)
+        head = ObjectiveHead(
+            call.target.long(),
+            call.target != call.ignore_index,
+            0,
+            weight.shape[0],
+            acc,
+            objective=spec.objective,
+            entropy=spec.entropy,
+            side=spec.side,
+            name=_NAME,
+        )
+        rows, in_features = input.shape
+        plan = make_plan(
+            rows,
+            in_features,
+            weight.shape[0],
+            input.dtype,
+            input.device,
+            spec.options,
+            tiles=tiles_for(head.keeps_logits, call.transform, any(spec.needs)),
+        )
+        need_x, need_w, need_b = spec.needs
+        grads = run_chunks(
+            input,
+            weight,
+            bias,
+            head,
+            call.transform,
+            plan,
+            grad_input=need_x,
+            grad_weight=need_w,
+            grad_bias=need_b,
+        )
+        ctx.grads = [grads.input, grads.weight, grads.bias]
+        ctx.needs = spec.needs
+        ctx.allow_retain_graph = spec.options.allow_retain_graph
+        return head.total.to(acc)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        scaled = hand_over_gradients(ctx, ctx.needs, grad_loss, ctx.allow_retain_graph)
+        return (*scaled, None)
+
+
+def _side_inputs(
+    side: dict[str, torch.Tensor], target: torch.Tensor, input: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    checked = {}
+    for name, value in side.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{_NAME}: side input {name} must be a tensor of the target's shape "
+                f"{tuple(target.shape)}, got {type(value).__name__}"
+            )
+        if value.requires_grad:
+            raise ValueError(
+                f"{_NAME}: side input {name} requires grad; side inputs are data (old or "
+                f"reference log-probs, advantages, weights) and get no gradient: pass "
+                f"{name}.detach()"
+            )
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{_NAME}: side input {name} must have the target's shape "
+                f"{tuple(target.shape)}, got {tuple(value.shape)}"
+            )
+        if not value.is_floating_point():
+            raise ValueError(
+                f"{_NAME}: side input {name} must be a floating tensor, got {value.dtype}"
+            )
+        if value.device != input.device:
+            raise ValueError(
+                f"{_NAME}: side input {name} is on {value.device}, the input on {input.device}"
+            )
+        checked[name] = value
+    return checked
+
+
+@torch.compiler.disable
+def token_objective(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[..., torch.Tensor],
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+    **token_tensors: torch.Tensor,
+) -> torch.Tensor:
+    r"""A token-local objective of the LM head's log-probabilities, with its gradients
+    computed in the same pass over the logits (three GEMMs per training step).
+
+    Returns :math:`\sum_{t\ \text{valid}} \ell_t` with
+    :math:`\ell = \mathrm{objective}(\log p_t, H, **side)` evaluated on each chunk's
+    valid tokens, where :math:`\log p_t` and the entropy :math:`H` are those of
+    :func:`linear_ce.token_logprobs` (same transform: ``logit_scale``, ``softcap``,
+    ``temperature``). The objective applies any normalisation itself, e.g. through a
+    per-token ``weight`` side input. Gradients flow to ``input``, ``linear_weight``
+    and ``linear_bias``; side inputs are data and get none.
+
+    Args:
+        input, linear_weight, target, linear_bias, ignore_index, shift, temperature,
+        logit_scale, softcap, options: as in :func:`linear_ce.token_logprobs`.
+        objective: ``objective(logprob, entropy, **side) -> loss``, 1-D tensors of one
+            chunk's valid tokens (``entropy`` is ``None`` unless ``entropy=True``), one
+            loss per token; plain torch code (see :mod:`linear_ce.objectives`).
+        entropy: compute the entropy and pass it to the objective.
+        **token_tensors: per-token side inputs of the target's shape (floating, no grad),
+            e.g. ``old_logprob=``, ``advantage=``, ``ref_logprob=``, ``weight=``; aligned
+            with the outputs of ``token_logprobs`` (position ``t`` with ``shift``).
+
+    Under ``torch.compile`` the call is a graph break (a Python callable cannot be an
+    argument of a custom op); the rest of the step compiles around it.
+
+    Example (GRPO-style, token-mean over the batch)::
+
+        >>> import linear_ce.objectives as obj
+        >>> loss = linear_ce.token_objective(
+        ...     hidden, lm_head, labels, obj.clipped_policy_gradient(0.2, 0.28),
+        ...     shift=True, old_logprob=old, advantage=adv, weight=mask / mask.sum(),
+        ... )
+        >>> loss.backward()
+    """
+    if not callable(objective):
+        raise ValueError(f"{_NAME}: objective must be callable, got {type(objective).__name__}")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        raise ValueError(f"{_NAME}: target must be an integer tensor of token ids")
+    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() != 2:
+        raise ValueError(
+            f"{_NAME}: linear_weight must have shape (V, in_features), got "
+            f"{tuple(linear_weight.shape)}"
+        )
+    if not isinstance(entropy, bool):
+        raise ValueError(f"{_NAME}: entropy must be a bool, got {entropy!r}")
+    if getattr(objective, "needs_entropy", False) and not entropy:
+        raise ValueError(f"{_NAME}: objective {objective!r} reads the entropy; pass entropy=True")
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=None,
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        softcap=softcap,
+        shift=shift,
+    )
+    check_scales(_NAME, logit_scale, temperature)
+    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    check_class_indices(call.target, call.ignore_index, call.linear_weight.shape[0], _NAME)
+    side = _side_inputs(token_tensors, target, input)
+    options = resolve_options(options, _NAME)
+    rows = call.input.shape[0]
+    acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
+    flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in side.items()}
+    grad_on = torch.is_grad_enabled()
+    spec = _Spec(
+        call=call,
+        objective=objective,
+        entropy=entropy,
+        side=flat_side,
+        options=options,
+        needs=(
+            grad_on and call.input.requires_grad,
+            grad_on and call.linear_weight.requires_grad,
+            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+        ),
+    )
+    return _TokenObjective.apply(call.input, call.linear_weight, call.linear_bias, spec)

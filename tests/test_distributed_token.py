@@ -1,0 +1,98 @@
+"""Vocab-parallel ``token_logprobs`` over gloo on loopback, 2 and 4 processes.
+
+Every rank builds the same full inputs, runs its (uneven) shard with logprob, entropy
+and top-1 and a backward with upstream gradients on both, and compares with the
+single-process ``linear_ce.token_logprobs`` on the full weight (itself checked against
+float64 in ``test_token_logprobs``) and with the float64 plain expression.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import linear_ce
+from linear_ce.distributed import vocab_parallel_token_logprobs
+
+TOL = 1e-5
+
+
+def _rel(got, ref):
+    ref = ref.double()
+    scale = ref.norm().item()
+    diff = (got.double() - ref).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _check(rank: int, world: int) -> list[str]:
+    g = torch.Generator().manual_seed(11)
+    V = {2: 101, 4: 1001}[world]
+    x = torch.randn(2, 23, 16, generator=g)
+    W = torch.randn(V, 16, generator=g) / 2
+    b = torch.randn(V, generator=g)
+    t = torch.randint(0, V, (2, 23), generator=g)
+    t[0, 3:9] = -100
+    up_lp, up_h = torch.randn(2, 23, generator=g), torch.randn(2, 23, generator=g)
+    sizes = [len(p) for p in torch.arange(V).tensor_split(world)]
+    start = sum(sizes[:rank])
+    kw = dict(shift=True, temperature=0.8, softcap=4.0, entropy=True, top1=True)
+    options = linear_ce.LinearCrossEntropyOptions(batch_chunk_size=8)
+
+    xs = x.clone().requires_grad_()
+    Ws = W[start : start + sizes[rank]].clone().requires_grad_()
+    bs = b[start : start + sizes[rank]].clone().requires_grad_()
+    out = vocab_parallel_token_logprobs(xs, Ws, t, linear_bias=bs, options=options, **kw)
+    ((out.logprob * up_lp).sum() + (out.entropy * up_h).sum()).backward()
+
+    xr, Wr, br = (v.clone().requires_grad_() for v in (x, W, b))
+    ref = linear_ce.token_logprobs(xr, Wr, t, linear_bias=br, options=options, **kw)
+    ((ref.logprob * up_lp).sum() + (ref.entropy * up_h).sum()).backward()
+
+    failures = []
+    pairs = {
+        "logprob": (out.logprob, ref.logprob),
+        "entropy": (out.entropy, ref.entropy),
+        "grad_input": (xs.grad, xr.grad),
+        "grad_weight": (Ws.grad, Wr.grad[start : start + sizes[rank]]),
+        "grad_bias": (bs.grad, br.grad[start : start + sizes[rank]]),
+    }
+    for name, (got, want) in pairs.items():
+        if not _rel(got, want) <= TOL:
+            failures.append(f"rank {rank}/{world} {name}: {_rel(got, want):.3g}")
+    if not torch.equal(out.top1, ref.top1):
+        failures.append(f"rank {rank}/{world} top1 differs")
+    return failures
+
+
+def _worker(rank: int, world: int, folder: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{folder}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        found = _check(rank, world)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{folder}/rank{rank}.json", "w") as out:
+        json.dump(found, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_single_process(tmp_path, world):
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    failures = [
+        f for r in range(world) for f in json.loads((tmp_path / f"rank{r}.json").read_text())
+    ]
+    assert not failures, failures

@@ -1,0 +1,284 @@
+"""Issue 13: ``token_logprobs`` against the plain expression on the full logits.
+
+Reference, written here: ``s = softcap((x Wᵀ + b)·σ) / T``, ``log_softmax(s)``
+gathered at the target, entropy ``-Σ p log p``, top-1 = unique argmax; gradients
+by autograd through both with random upstream gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import linear_ce
+from conftest import eps, rel_err
+from linear_ce import LinearCrossEntropyOptions
+
+B, T, FEAT, V = 2, 13, 8, 29
+CHUNK = LinearCrossEntropyOptions(batch_chunk_size=5)
+
+
+def _inputs(seed: int, bias: bool, pattern: str):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, FEAT, generator=g, dtype=torch.float64)
+    W = torch.randn(V, FEAT, generator=g, dtype=torch.float64) * 2 / FEAT**0.5
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, V, (B, T), generator=g)
+    if pattern == "runs":
+        t[0, 2:7] = -100
+    elif pattern == "all":
+        t[:] = -100
+    elif pattern == "random":
+        t[torch.rand(B, T, generator=g) < 0.4] = -100
+    up_lp = torch.randn(B, T, generator=g, dtype=torch.float64)
+    up_h = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return x, W, b, t, up_lp, up_h
+
+
+def _plain(x, W, b, t, *, shift, temperature, logit_scale, softcap):
+    """``(logprob, entropy, top1)`` of the full logits, target's shape, zero where ignored."""
+    k = int(shift)
+    h = x[:, : T - k] if k else x
+    labels = t[:, k:] if k else t
+    s = h @ W.T
+    if b is not None:
+        s = s + b
+    s = s * logit_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s / temperature
+    logp = torch.log_softmax(s, dim=-1)
+    valid = labels != -100
+    safe = torch.where(valid, labels, 0)
+    lp = torch.where(valid, logp.gather(-1, safe[..., None])[..., 0], 0.0)
+    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    top = s.max(-1, keepdim=True).values
+    unique = (s == top).sum(-1) == 1
+    top1 = valid & unique & (s.argmax(-1) == safe)
+    pad = (0, k)
+    return (
+        torch.nn.functional.pad(lp, pad),
+        torch.nn.functional.pad(ent, pad),
+        torch.nn.functional.pad(top1, pad),
+    )
+
+
+def _grads(outputs, leaves, up_lp, up_h, flows):
+    lp, ent = outputs[0], outputs[1]
+    total = 0.0
+    if "logprob" in flows:
+        total = total + (lp * up_lp.to(lp.dtype)).sum()
+    if "entropy" in flows:
+        total = total + (ent * up_h.to(ent.dtype)).sum()
+    wanted = [v for v in leaves if v is not None]
+    got = iter(torch.autograd.grad(total, wanted))
+    return [None if v is None else next(got) for v in leaves]
+
+
+def _leaves(x, W, b, dtype):
+    return [None if v is None else v.to(dtype, copy=True).requires_grad_() for v in (x, W, b)]
+
+
+TRANSFORMS = {
+    "identity": dict(temperature=1.0, logit_scale=1.0, softcap=None),
+    "temperature": dict(temperature=0.7, logit_scale=1.0, softcap=None),
+    "scale+softcap": dict(temperature=1.0, logit_scale=1.6, softcap=2.5),
+    "all": dict(temperature=1.3, logit_scale=0.8, softcap=4.0),
+}
+FLOWS = {"logprob": ("logprob",), "entropy": ("entropy",), "both": ("logprob", "entropy")}
+
+
+@pytest.mark.parametrize(
+    ("transform", "flows", "shift", "bias", "pattern"),
+    list(
+        itertools.product(
+            TRANSFORMS, FLOWS, (False, True), (False, True), ("none", "runs", "random")
+        )
+    ),
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_plain_expression(transform, flows, shift, bias, pattern, dtype):
+    x, W, b, t, up_lp, up_h = _inputs(7, bias, pattern)
+    kw = TRANSFORMS[transform]
+    leaves = _leaves(x, W, b, dtype)
+    out = linear_ce.token_logprobs(
+        *leaves[:2],
+        t,
+        linear_bias=leaves[2],
+        shift=shift,
+        entropy=True,
+        top1=True,
+        options=CHUNK,
+        **kw,
+    )
+    got_grads = _grads(out, leaves, up_lp, up_h, FLOWS[flows])
+    ref_leaves = _leaves(x, W, b, torch.float64)
+    ref = _plain(*ref_leaves[:2], ref_leaves[2], t, shift=shift, **kw)
+    ref_grads = _grads(ref, ref_leaves, up_lp, up_h, FLOWS[flows])
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.logprob.dtype == acc and out.entropy.dtype == acc and out.top1.dtype == torch.bool
+    if dtype == torch.float64:
+        # The float64 plain expression is itself a few eps off (entropy gradients cancel).
+        bounds = [8 * eps(dtype)] * (4 if b is None else 5)
+    else:
+        same = _leaves(x, W, b, dtype)
+        plain_out = _plain(*same[:2], same[2], t, shift=shift, **kw)
+        plain_grads = _grads(plain_out, same, up_lp, up_h, FLOWS[flows])
+        own = [rel_err(plain_out[0], ref[0]), rel_err(plain_out[1], ref[1])] + [
+            rel_err(g, r) for g, r in zip(plain_grads, ref_grads, strict=True) if r is not None
+        ]
+        # Entropy gradients amplify the logits' own rounding by |u − μ|; MKL rounds the
+        # logits GEMM of a few-row chunk differently from the plain expression's one GEMM
+        # of all rows, which puts them at up to ~3.5 eps here (2.3 eps unchunked).
+        floor = (4 if "entropy" in FLOWS[flows] else 3) * eps(dtype)
+        bounds = [max(floor, 2 * e) for e in own]
+    pairs = [(out.logprob, ref[0]), (out.entropy, ref[1])] + [
+        (g, r) for g, r in zip(got_grads, ref_grads, strict=True) if r is not None
+    ]
+    for (got, want), bound in zip(pairs, bounds, strict=True):
+        assert rel_err(got, want) <= bound, (rel_err(got, want), bound)
+    if dtype == torch.float64:
+        assert torch.equal(out.top1, ref[2])
+    ignored = torch.nn.functional.pad(t[:, int(shift) :] == -100, (0, int(shift)), value=True)
+    assert torch.equal(out.logprob[ignored], torch.zeros_like(out.logprob[ignored]))
+    assert torch.equal(got_grads[0][ignored], torch.zeros_like(got_grads[0][ignored]))
+
+
+@pytest.mark.parametrize("policy", ["auto", "accurate"])
+def test_bf16_within_twice_the_plain_bf16_error(policy):
+    """bf16 inputs: outputs in fp32 and every result within 2× the plain bf16 expression's
+    error; with fp32 logits (``acc_policy="accurate"``) logprob and entropy are within fp32
+    rounding of the float64 value computed from the same bf16 inputs."""
+    x, W, b, t, up_lp, up_h = _inputs(11, True, "random")
+    kw = TRANSFORMS["all"]
+    leaves = _leaves(x, W, b, torch.bfloat16)
+    out = linear_ce.token_logprobs(
+        *leaves[:2],
+        t,
+        linear_bias=leaves[2],
+        entropy=True,
+        options=LinearCrossEntropyOptions(batch_chunk_size=5, acc_policy=policy),
+        **kw,
+    )
+    got_grads = _grads(out, leaves, up_lp, up_h, FLOWS["both"])
+    rounded = [v.detach().double().requires_grad_() for v in leaves]
+    ref = _plain(*rounded[:2], rounded[2], t, shift=False, **kw)
+    ref_grads = _grads(ref, rounded, up_lp, up_h, FLOWS["both"])
+    same = _leaves(x, W, b, torch.bfloat16)
+    plain_out = _plain(*same[:2], same[2], t, shift=False, **kw)
+    plain_grads = _grads(plain_out, same, up_lp, up_h, FLOWS["both"])
+    assert out.logprob.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    for got, want, plain in zip(
+        (out.logprob, out.entropy, *got_grads),
+        (ref[0], ref[1], *ref_grads),
+        (plain_out[0], plain_out[1], *plain_grads),
+        strict=True,
+    ):
+        assert rel_err(got, want) <= max(3 * eps(torch.bfloat16), 2 * rel_err(plain, want))
+    if policy == "accurate":
+        assert rel_err(out.logprob, ref[0]) <= 16 * eps(torch.float32)
+        assert rel_err(out.entropy, ref[1]) <= 16 * eps(torch.float32)
+
+
+def test_all_ignored_gives_zeros_and_zero_gradients():
+    x, W, b, t, up_lp, up_h = _inputs(3, True, "all")
+    leaves = _leaves(x, W, b, torch.float32)
+    out = linear_ce.token_logprobs(*leaves[:2], t, linear_bias=leaves[2], entropy=True, top1=True)
+    assert not out.logprob.any() and not out.entropy.any() and not out.top1.any()
+    for g in _grads(out, leaves, up_lp, up_h, FLOWS["both"]):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_top1_ties_are_false():
+    W = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # classes 0 and 1 always tie
+    x = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 1.5]])
+    t = torch.tensor([0, 2, 1])
+    out = linear_ce.token_logprobs(x, W, t, top1=True)
+    assert out.top1.tolist() == [False, True, False]
+
+
+def test_outputs_not_asked_for_are_none_and_cost_no_gemm():
+    x, W, _, t, *_ = _inputs(5, False, "none")
+    out = linear_ce.token_logprobs(x.float(), W.float(), t)
+    assert out.entropy is None and out.top1 is None and out.logprob.shape == t.shape
+
+
+@given(
+    n=st.integers(1, 40),
+    chunk=st.integers(1, 16),
+    ignore_share=st.floats(0.0, 1.0),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_logprob_and_entropy(n, chunk, ignore_share, temperature, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEAT, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, FEAT, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, V, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_share] = -100
+    out = linear_ce.token_logprobs(
+        x,
+        W,
+        t,
+        temperature=temperature,
+        entropy=True,
+        options=LinearCrossEntropyOptions(batch_chunk_size=chunk),
+    )
+    logp = torch.log_softmax(x @ W.T / temperature, -1)
+    valid = t != -100
+    lp = torch.where(valid, logp.gather(-1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
+    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    # Both are differences of O(1) quantities (u_t − log Z, log Z − μ): a peaked row's
+    # entropy is tiny but its absolute error is still ~eps, in the plain expression too.
+    for got, want in ((out.logprob, lp), (out.entropy, ent)):
+        scale = max(torch.linalg.vector_norm(want).item(), want.numel() ** 0.5)
+        assert torch.linalg.vector_norm(got - want).item() <= 8 * eps(torch.float64) * scale
+    got = torch.autograd.grad((out.logprob + out.entropy).sum(), [x, W])
+    ref = torch.autograd.grad((lp + ent).sum(), [x, W])
+    for a, r in zip(got, ref, strict=True):
+        assert rel_err(a, r) <= 16 * eps(torch.float64)
+
+
+def test_compile_and_vmap():
+    x, W, _, t, *_ = _inputs(9, True, "runs")
+    xf, Wf = x[0].float(), W.float()
+
+    def f(x, W):
+        return linear_ce.token_logprobs(x, W, t[0], entropy=True, options=CHUNK).logprob
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(xf, Wf), f(xf, Wf)) <= 3 * eps(torch.float32)
+    batched = torch.vmap(f, in_dims=(0, None))(x.float(), Wf)
+    assert rel_err(batched[0], f(xf, Wf)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": torch.zeros(3)}, "target must be an integer tensor"),
+        (
+            {"linear_weight": torch.randn(4, 2, 8)},
+            r"linear_weight must have shape \(V, in_features\)",
+        ),
+        ({"temperature": 0.0}, "temperature must be a finite float > 0"),
+        ({"logit_scale": float("inf")}, "logit_scale must be a finite float > 0"),
+        ({"softcap": -1.0}, "softcap must be None or a finite float > 0"),
+        ({"entropy": 1}, "entropy must be a bool"),
+        ({"target": torch.tensor([0, 1, 99])}, "class index 99"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(kwargs, message):
+    args = {
+        "input": torch.randn(3, 8),
+        "linear_weight": torch.randn(4, 8),
+        "target": torch.tensor([0, 1, 2]),
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        linear_ce.token_logprobs(
+            args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args
+        )

@@ -1,0 +1,317 @@
+"""Issue 14: ``token_objective`` and the built-in objectives against the plain formula.
+
+Reference, written here: full logits ``s = softcap((x Wᵀ + b)·σ) / T``,
+``log_softmax``, the same per-token formula (PPO/GRPO clipped surrogate, k1/k2/k3
+KL estimators, entropy bonus, a hand-written objective), summed over valid tokens,
+gradients by autograd.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import linear_ce
+import linear_ce.objectives as obj
+from conftest import eps, rel_err
+from linear_ce import LinearCrossEntropyOptions
+from linear_ce.gemm import Gemm
+
+B, T, FEAT, V = 3, 11, 8, 29
+CHUNK = LinearCrossEntropyOptions(batch_chunk_size=4)
+
+
+def _data(seed: int, pattern: str, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    d = {
+        "x": torch.randn(B, T, FEAT, generator=g, dtype=torch.float64),
+        "W": torch.randn(V, FEAT, generator=g, dtype=torch.float64) * 2 / FEAT**0.5,
+        "b": torch.randn(V, generator=g, dtype=torch.float64) if bias else None,
+        "t": torch.randint(0, V, (B, T), generator=g),
+        "old": -3 + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "ref": -3 + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "adv": torch.randn(B, T, generator=g, dtype=torch.float64),
+    }
+    if pattern == "runs":
+        d["t"][0, 2:6] = -100
+    elif pattern == "random":
+        d["t"][torch.rand(B, T, generator=g) < 0.4] = -100
+    elif pattern == "all":
+        d["t"][:] = -100
+    return d
+
+
+def _plain_terms(x, W, b, t, *, shift, temperature, logit_scale, softcap):
+    """Per-token (logprob, entropy, valid) of the full logits, in the outputs' positions."""
+    k = int(shift)
+    h, labels = (x[:, : T - k], t[:, k:]) if k else (x, t)
+    s = h @ W.T
+    if b is not None:
+        s = s + b
+    s = s * logit_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    logp = torch.log_softmax(s / temperature, -1)
+    valid = labels != -100
+    lp = logp.gather(-1, torch.where(valid, labels, 0)[..., None])[..., 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    pad = (0, k)
+    return (
+        torch.nn.functional.pad(lp, pad),
+        torch.nn.functional.pad(ent, pad),
+        torch.nn.functional.pad(valid, pad),
+    )
+
+
+def _formula(name, lp, ent, side):
+    """The objectives written out again, independently of linear_ce.objectives."""
+    w = side.get("weight", 1.0)
+    if name == "pg":
+        r = torch.exp(lp - side["old_logprob"])
+        a = side["advantage"]
+        return -torch.min(r * a, r.clamp(0.8, 1.28) * a) * w
+    if name.startswith("kl"):
+        d = side["ref_logprob"] - lp
+        est = {"kl_k1": -d, "kl_k2": 0.5 * d * d, "kl_k3": torch.exp(d) - d - 1}[name]
+        return 0.05 * est * w
+    if name == "entropy":
+        return -0.02 * ent * w
+    if name == "sum":
+        return sum(_formula(n, lp, ent, side) for n in ("pg", "kl_k3", "entropy"))
+    if name == "custom":
+        return (lp.square() * side["advantage"] + torch.sin(lp)) * w
+    raise ValueError(name)
+
+
+OBJECTIVES = {
+    "pg": obj.clipped_policy_gradient(0.2, 0.28),
+    "kl_k1": obj.kl_penalty(0.05, "k1"),
+    "kl_k2": obj.kl_penalty(0.05, "k2"),
+    "kl_k3": obj.kl_penalty(0.05, "k3"),
+    "entropy": obj.entropy_bonus(0.02),
+    "sum": obj.clipped_policy_gradient(0.2, 0.28) + obj.kl_penalty(0.05) + obj.entropy_bonus(0.02),
+    "custom": lambda lp, ent, *, advantage, weight, **_: (
+        (lp.square() * advantage + torch.sin(lp)) * weight
+    ),
+}
+TRANSFORMS = {
+    "identity": dict(temperature=1.0, logit_scale=1.0, softcap=None),
+    "all": dict(temperature=0.8, logit_scale=1.4, softcap=3.0),
+}
+
+
+def _run(d, name, dtype, *, shift, transform, entropy, options=CHUNK):
+    leaves = [
+        None if v is None else v.to(dtype, copy=True).requires_grad_()
+        for v in (d["x"], d["W"], d["b"])
+    ]
+    side = {"old_logprob": d["old"], "ref_logprob": d["ref"], "advantage": d["adv"]}
+    mask = torch.nn.functional.pad(d["t"][:, int(shift) :] != -100, (0, int(shift))).double()
+    side["weight"] = mask / mask.sum().clamp(min=1)
+    side = {k: v.to(dtype) for k, v in side.items()}
+    loss = linear_ce.token_objective(
+        leaves[0],
+        leaves[1],
+        d["t"],
+        OBJECTIVES[name],
+        linear_bias=leaves[2],
+        shift=shift,
+        entropy=entropy,
+        options=options,
+        **TRANSFORMS[transform],
+        **side,
+    )
+    grads = torch.autograd.grad(loss, [v for v in leaves if v is not None])
+    return loss, grads, side
+
+
+def _reference(d, name, dtype, *, shift, transform):
+    leaves = [
+        None if v is None else v.to(dtype, copy=True).requires_grad_()
+        for v in (d["x"], d["W"], d["b"])
+    ]
+    lp, ent, valid = _plain_terms(
+        *leaves[:2], leaves[2], d["t"], shift=shift, **TRANSFORMS[transform]
+    )
+    mask = valid.to(torch.float64)
+    side = {
+        "old_logprob": d["old"],
+        "ref_logprob": d["ref"],
+        "advantage": d["adv"],
+        "weight": mask / mask.sum().clamp(min=1),
+    }
+    side = {k: v.to(dtype) for k, v in side.items()}
+    terms = _formula(name, lp, ent, side)[valid]
+    loss = terms.sum()
+    # How much the sum cancels: a result cannot be closer than eps times this.
+    cancellation = (terms.abs().sum() / loss.abs()).item() if loss != 0 else 1.0
+    grads = torch.autograd.grad(loss, [v for v in leaves if v is not None], allow_unused=True)
+    grads = [
+        torch.zeros_like(v) if g is None else g
+        for g, v in zip(grads, [v for v in leaves if v is not None], strict=True)
+    ]
+    return loss, grads, cancellation
+
+
+@pytest.mark.parametrize(
+    ("name", "transform", "shift", "pattern"),
+    list(itertools.product(OBJECTIVES, TRANSFORMS, (False, True), ("none", "runs", "random"))),
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_matches_plain_formula(name, transform, shift, pattern, dtype):
+    d = _data(1, pattern, bias=pattern == "runs")
+    entropy = name in ("entropy", "sum")
+    loss, grads, _ = _run(d, name, dtype, shift=shift, transform=transform, entropy=entropy)
+    ref_loss, ref_grads, cancellation = _reference(
+        d, name, torch.float64, shift=shift, transform=transform
+    )
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    if dtype == torch.float64:
+        # The per-token losses have mixed signs: the loss is bounded by how much its sum
+        # cancels; the gradients (sums over tokens of mixed signs too) by a few eps more.
+        cancel = max(1.0, cancellation)
+        bounds = [8 * eps(dtype) * cancel] + [32 * eps(dtype)] * len(grads)
+    else:
+        plain_loss, plain_grads, _ = _reference(d, name, dtype, shift=shift, transform=transform)
+        floor = (4 if entropy else 3) * eps(dtype)
+        # The loss sums terms of mixed signs: no result is closer than eps × its cancellation.
+        cancel = max(1.0, cancellation)
+        bounds = [max(floor * cancel, 2 * rel_err(plain_loss, ref_loss))] + [
+            max(floor, 2 * rel_err(p, r)) for p, r in zip(plain_grads, ref_grads, strict=True)
+        ]
+    for got, want, bound in zip((loss, *grads), (ref_loss, *ref_grads), bounds, strict=True):
+        assert rel_err(got, want) <= bound, (got.shape, rel_err(got, want), bound)
+
+
+def test_all_ignored_is_zero_with_zero_gradients():
+    d = _data(2, "all", bias=False)
+    loss, grads, _ = _run(d, "pg", torch.float32, shift=False, transform="identity", entropy=False)
+    assert loss.item() == 0.0
+    for g in grads:
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.fixture
+def gemm_rows(monkeypatch):
+    seen = {"logits": [], "add_grad_input": [], "weight_grad": []}
+    index = {"logits": 1, "add_grad_input": 1, "weight_grad": 2}
+
+    def recording(name, real):
+        def method(self, *args):
+            seen[name].append(args[index[name]].shape[0])
+            return real(self, *args)
+
+        return method
+
+    for cls in (Gemm, *Gemm.__subclasses__()):
+        for name in index:
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, recording(name, vars(cls)[name]))
+    return seen
+
+
+def test_three_gemms_per_step(gemm_rows):
+    """The logits are computed once: forward + backward is three GEMMs over valid rows."""
+    d = _data(3, "random", bias=False)
+    _run(d, "sum", torch.float32, shift=True, transform="identity", entropy=True)
+    valid = int((d["t"][:, 1:] != -100).sum())
+    assert sum(gemm_rows["logits"]) == valid
+    assert sum(gemm_rows["add_grad_input"]) == valid
+    assert sum(gemm_rows["weight_grad"]) == valid
+
+
+def test_compiles_with_a_graph_break_around_the_call():
+    d = _data(4, "runs", bias=False)
+    x, W = d["x"].float(), d["W"].float()
+    old, adv = d["old"].float(), d["adv"].float()
+
+    def step(x, W):
+        h = torch.tanh(x)
+        return linear_ce.token_objective(
+            h, W, d["t"], OBJECTIVES["pg"], old_logprob=old, advantage=adv, options=CHUNK
+        )
+
+    leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    got = torch.compile(step, backend="aot_eager")(*leaves)
+    got.backward()
+    ref_leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    ref = step(*ref_leaves)
+    ref.backward()
+    assert rel_err(got, ref) <= 3 * eps(torch.float32)
+    for a, r in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(a.grad, r.grad) <= 3 * eps(torch.float32)
+
+
+def _call(**overrides):
+    d = _data(5, "none", bias=False)
+    args = dict(
+        input=d["x"].float(),
+        linear_weight=d["W"].float(),
+        target=d["t"],
+        objective=OBJECTIVES["pg"],
+        old_logprob=d["old"].float(),
+        advantage=d["adv"].float(),
+    )
+    args.update(overrides)
+    return linear_ce.token_objective(
+        args.pop("input"),
+        args.pop("linear_weight"),
+        args.pop("target"),
+        args.pop("objective"),
+        **args,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (
+            {"advantage": torch.randn(B, T, requires_grad=True)},
+            ValueError,
+            "side input advantage requires grad",
+        ),
+        (
+            {"advantage": torch.randn(B, T - 1)},
+            ValueError,
+            r"side input advantage must have the target's shape \(3, 11\)",
+        ),
+        (
+            {"advantage": torch.ones(B, T, dtype=torch.long)},
+            ValueError,
+            "side input advantage must be a floating tensor",
+        ),
+        ({"advantage": [1.0]}, ValueError, "side input advantage must be a tensor"),
+        ({"objective": 3}, ValueError, "objective must be callable"),
+        ({"objective": obj.entropy_bonus(0.1)}, ValueError, "reads the entropy; pass entropy=True"),
+        (
+            {"objective": lambda lp, ent, **_: lp.sum()},
+            ValueError,
+            "objective must return one loss per token",
+        ),
+        (
+            {"objective": lambda lp, ent, **_: torch.sqrt(lp)},
+            FloatingPointError,
+            "gradient with respect to logprob is not finite",
+        ),
+        ({"old_logprob": None}, ValueError, "side input old_logprob must be a tensor"),
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite float > 0"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(overrides, error, message):
+    with pytest.raises(error, match=message):
+        _call(**overrides)
+
+
+def test_missing_side_input_is_named():
+    d = _data(6, "none", bias=False)
+    with pytest.raises(ValueError, match=r"needs the side input\(s\) \['ref_logprob'\]"):
+        linear_ce.token_objective(d["x"].float(), d["W"].float(), d["t"], obj.kl_penalty(0.1))
+
+
+def test_builtin_arguments_are_checked():
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        obj.kl_penalty(0.1, "k4")
+    with pytest.raises(ValueError, match="clip_low must be a float >= 0"):
+        obj.clipped_policy_gradient(-0.1)
