@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test bench lint format clean mutate
+.PHONY: test test-matrix bench lint format clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,35 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests examples
 	$(PY) -m ruff format --check src tests examples
 	$(PY) -m pytest -q
+
+# The supported-versions matrix (docs/versions.md) beyond `make test`'s torch 2.13
+# CPU build: torch:transformers:python rows, each in its own virtual environment
+# MATRIX_DIR/<torch>-<transformers>-<python>, created on first use and reused while
+# pyproject.toml is unchanged. torch's CUDA builds (several GB each) run on a
+# CPU-only machine too. PYENV_VERSION lets pyenv's shims find a Python that is not
+# the active one; without pyenv, python3.X must be on PATH. The editable install is
+# redone before every run, so an environment reused from another clone tests this tree.
+MATRIX_DIR ?= .venv-matrix
+MATRIX ?= 2.6.0:4.46.3:3.10 2.11.0:4.57.6:3.11 2.14.1:5.24.0:3.11
+MATRIX_ENVS := $(subst :,-,$(MATRIX))
+MATRIX_PYTEST_ARGS ?= -q -x -p no:cacheprovider
+pin = $(word $(2),$(subst -, ,$(1)))
+
+$(MATRIX_DIR)/%/.installed: pyproject.toml
+	test -x $(@D)/bin/python || PYENV_VERSION=$(call pin,$*,3) python$(call pin,$*,3) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q "torch==$(call pin,$*,1)" "transformers==$(call pin,$*,2)" -e ".[dev]"
+	touch $@
+
+test-matrix: $(foreach env,$(MATRIX_ENVS),$(MATRIX_DIR)/$(env)/.installed)
+	failed=""; \
+	for env in $(MATRIX_ENVS); do \
+		echo "== torch, transformers, python: $$env"; \
+		$(MATRIX_DIR)/$$env/bin/python -m pip install -q --no-deps -e . \
+			&& $(MATRIX_DIR)/$$env/bin/python -m pytest $(MATRIX_PYTEST_ARGS) \
+			|| failed="$$failed $$env"; \
+	done; \
+	test -z "$$failed" || { echo "test-matrix failed on:$$failed"; exit 1; }
 
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
@@ -39,4 +68,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-out build dist
+	rm -rf $(VENV) $(MATRIX_DIR) .pytest_cache .ruff_cache .hypothesis bench-out build dist

@@ -430,20 +430,35 @@ def _training_step(x, A, W, b, t, reduction, options):
     return loss if reduction != "none" else loss.sum()
 
 
+def _plain_training_step(x, A, W, b, t, reduction):
+    hidden = torch.tanh(x @ A)
+    loss = _plain(hidden, W, t, linear_bias=b, reduction=reduction, ignore_index=3)
+    return loss if reduction != "none" else loss.sum()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph_matches_eager(reduction):
+def test_compile_fullgraph_training_step(reduction):
+    """A compiled training step is as exact as the plain step compiled the same way.
+
+    The bound is relative to the compiled plain step, not 3 eps alone: the compiler's
+    own kernels around the loss (here tanh's backward) may round differently from
+    eager (torch 2.5's Inductor costs A's gradient about 2x eager's error)."""
     gen = torch.Generator().manual_seed(11)
     A = torch.randn(6, 5, generator=gen, requires_grad=True)
     W = torch.randn(9, 5, generator=gen, requires_grad=True)
     b = torch.randn(9, generator=gen, requires_grad=True)
     options = LinearCrossEntropyOptions(batch_chunk_size=4)
     compiled = torch.compile(_training_step, fullgraph=True)
+    compiled_plain = torch.compile(_plain_training_step, fullgraph=True)
     for n in (13, 21):  # a second N must not fail (recompiles with a dynamic N)
         x = torch.randn(n, 6, generator=gen)
         t = torch.randint(0, 9, (n,), generator=gen)
-        eager = _training_step(x, A, W, b, t, reduction, options)
-        ref_grads = torch.autograd.grad(eager, [A, W, b])
+        leaves64 = [p.detach().double().requires_grad_() for p in (A, W, b)]
+        ref = _plain_training_step(x.double(), *leaves64, t, reduction)
+        ref_grads = torch.autograd.grad(ref, leaves64)
+        plain = compiled_plain(x, A, W, b, t, reduction)
+        plain_grads = torch.autograd.grad(plain, [A, W, b])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loss = compiled(x, A, W, b, t, reduction, options)
@@ -451,9 +466,10 @@ def test_compile_fullgraph_matches_eager(reduction):
         if reduction == "mean" and n == 13:
             assert promoted, "compile must promote allow_retain_graph with a warning"
         got_grads = torch.autograd.grad(loss, [A, W, b])
-        assert rel_err(loss, eager) <= 3 * eps(torch.float32)
-        for g, r in zip(got_grads, ref_grads, strict=True):
-            assert rel_err(g, r) <= 3 * eps(torch.float32)
+        for got, p, r in zip(
+            (loss, *got_grads), (plain, *plain_grads), (ref, *ref_grads), strict=True
+        ):
+            assert rel_err(got, r) <= max(3 * eps(torch.float32), 2 * rel_err(p, r))
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])

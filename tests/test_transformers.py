@@ -7,6 +7,7 @@ ForCausalLMLoss on the full logits.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
 from linear_ce.integrations import transformers as lce_hf  # noqa: E402
 
@@ -58,6 +61,8 @@ FAMILY_CONFIG = {
     ),
 }
 FAMILIES = [name for name in FAMILY_CONFIG if hasattr(transformers, name)]
+# Older transformers (4.46) has no shift_labels in its loss: its models ignore them.
+LOSS_TAKES_SHIFT_LABELS = "shift_labels" in inspect.signature(ForCausalLMLoss).parameters
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -172,17 +177,18 @@ def test_tied_embeddings_share_one_gradient():
 
 
 def test_shift_labels_ignore_index_and_tuple_output_match_the_model():
-    model = tiny_model("Qwen3ForCausalLM")
+    model = tiny_model("Qwen3ForCausalLM" if "Qwen3ForCausalLM" in FAMILIES else "Qwen2ForCausalLM")
     ids, labels = batch(4)
     shift_labels = torch.roll(labels, -2, dims=-1)
     shift_labels[:, -2:] = -100
     odd_labels = torch.where(labels == -100, -1, labels)
     calls = [
-        {"labels": labels, "shift_labels": shift_labels},
         {"labels": odd_labels, "ignore_index": -1},
         {"labels": labels, "return_dict": False},
         {"labels": labels, "logits_to_keep": 0, "output_hidden_states": True},
     ]
+    if LOSS_TAKES_SHIFT_LABELS:
+        calls.append({"labels": labels, "shift_labels": shift_labels})
     refs = [model(input_ids=ids, **kwargs) for kwargs in calls]
     lce_hf.patch(model)
     for kwargs, ref in zip(calls, refs, strict=True):
@@ -326,10 +332,13 @@ def test_unsupported_models_are_refused_with_the_supported_list():
     with pytest.raises(TypeError, match="already has its own forward"):
         lce_hf.patch(model)
 
-    model = tiny_model("LlamaForCausalLM")
-    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.sum()
+    class CustomLoss(transformers.LlamaForCausalLM):
+        @property
+        def loss_function(self):
+            return lambda logits, labels, vocab_size, **kwargs: logits.sum()
+
     with pytest.raises(TypeError, match="ForCausalLMLoss"):
-        lce_hf.patch(model)
+        lce_hf.patch(CustomLoss(tiny_model("LlamaForCausalLM").config))
 
 
 _MEMORY_SCRIPT = textwrap.dedent(

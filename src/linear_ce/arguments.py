@@ -40,6 +40,7 @@ __all__ = [
     "check_token_weight",
     "check_z_loss",
     "to_rows",
+    "with_scales",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -82,6 +83,16 @@ class Call:
     def transform(self) -> LogitTransform:
         """The logits transform of this call (:mod:`linear_ce.transform`)."""
         return LogitTransform(self.logit_scale, self.softcap, self.temperature)
+
+
+def with_scales(call: Call, logit_scale: float, temperature: float) -> Call:
+    """``call`` with the logits transform's ``logit_scale`` and ``temperature`` set.
+
+    Written out rather than ``dataclasses.replace``, which torch 2.6's Dynamo cannot
+    trace on a ``Call`` (``hasattr`` of the dataclass fields on its class)."""
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
+    fields.update(logit_scale=float(logit_scale), temperature=float(temperature))
+    return Call(**fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call
+from linear_ce.arguments import Call, check_call, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobHead
@@ -352,7 +352,7 @@ def vocab_parallel_linear_cross_entropy(
         num_classes=num_classes,
     )
     check_scales(_NAME, logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     _check_targets(call, num_classes)
 
     rows, in_features = call.input.shape
@@ -537,7 +537,7 @@ def vocab_parallel_token_logprobs(
         num_classes=num_classes,
     )
     check_scales("vocab_parallel_token_logprobs", logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     _check_targets(call, num_classes)
     rows, in_features = call.input.shape
     world = dist.get_world_size(process_group)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
 
-from linear_ce.arguments import check_call
+from linear_ce.arguments import check_call, with_scales
 from linear_ce.ops import chunked_rows, chunked_scalar
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
@@ -158,7 +157,7 @@ def linear_cross_entropy(
         token_weight=token_weight,
     )
     check_scales("linear_cross_entropy", logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     options = resolve_options(options, "linear_cross_entropy")
     reported = reported_dtype(call.input, options, loss_dtype)
     shared = (

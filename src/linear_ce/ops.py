@@ -17,8 +17,12 @@ logging and get no gradient.
 
 from __future__ import annotations
 
+# Sequence, not list, in op signatures: torch 2.6's schema inference rejects list[float].
+from collections.abc import Sequence
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from linear_ce.arguments import Call
 from linear_ce.chunked import Gradients, tiles_for
@@ -134,7 +138,7 @@ def chunked_scalar(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    transform: list[float],
+    transform: Sequence[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
@@ -258,8 +262,10 @@ def hand_over_gradients(
             "to backward more than once"
         )
     # A traced backward (AOT autograd) cannot express handing a forward output over
-    # mutated in place; there the copy is the only correct choice.
-    in_place = not allow_retain_graph and not is_fake(grad_loss)
+    # mutated in place; there the copy is the only correct choice. Its tensors are
+    # functional wrappers, which is_fake does not see through on torch 2.5 and 2.6.
+    traced = is_fake(grad_loss) or isinstance(grad_loss, FunctionalTensor)
+    in_place = not allow_retain_graph and not traced
     if not allow_retain_graph:
         ctx.grads = [None] * len(stored)
     return [
@@ -298,7 +304,7 @@ def chunked_rows(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    transform: list[float],
+    transform: Sequence[float],
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,

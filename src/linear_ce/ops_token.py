@@ -9,6 +9,9 @@ output nobody differentiated) is ``None`` and costs nothing.
 
 from __future__ import annotations
 
+# Sequence, not list, in op signatures: torch 2.6's schema inference rejects list[float].
+from collections.abc import Sequence
+
 import torch
 
 from linear_ce.chunked import Gradients, run_chunks, tiles_for
@@ -82,7 +85,7 @@ def token_rows(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     ignore_index: int,
-    transform: list[float],
+    transform: Sequence[float],
     entropy: bool,
     top1: bool,
     batch_chunk_size: int | None,

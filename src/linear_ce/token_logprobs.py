@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 
-from linear_ce.arguments import check_call
+from linear_ce.arguments import check_call, with_scales
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.transform import check_scales
@@ -122,7 +121,7 @@ def token_logprobs(
         shift=shift,
     )
     check_scales(_NAME, logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
     logprob, ent, is_top1 = token_rows(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call
+from linear_ce.arguments import Call, check_call, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.losses.token_objective import ObjectiveHead
 from linear_ce.ops import check_class_indices, hand_over_gradients
@@ -193,7 +193,7 @@ def token_objective(
         shift=shift,
     )
     check_scales(_NAME, logit_scale, temperature)
-    call = dataclasses.replace(call, logit_scale=float(logit_scale), temperature=float(temperature))
+    call = with_scales(call, logit_scale, temperature)
     check_class_indices(call.target, call.ignore_index, call.linear_weight.shape[0], _NAME)
     side = _side_inputs(token_tensors, target, input)
     options = resolve_options(options, _NAME)
