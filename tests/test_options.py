@@ -7,7 +7,7 @@ import torch
 
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.capability import native_half_gemm
-from linear_ce.gemm import CudaOutDtype, NativeHalf, SameDtype, Upcast
+from linear_ce.gemm import BlockUpcast, CudaOutDtype, NativeHalf, SameDtype, Upcast
 from linear_ce.plan import choose_chunk_rows, make_plan
 
 
@@ -122,23 +122,30 @@ def test_plan_resolves_policy_and_backend():
         SameDtype,
     )
     p = plan(torch.bfloat16, cpu, acc_policy="accurate")
-    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == (
+    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
         "accurate",
         torch.float32,
         torch.float32,
+        "wide",
         Upcast,
     )
-    # "auto" for half inputs on a CPU: native half GEMMs and a half weight-gradient where the CPU has them.
+    # "auto" for half inputs on a CPU: "balanced", native half GEMMs where the CPU has them,
+    # else the weight upcast in vocabulary blocks; an fp32 weight-gradient sum held split.
     for dtype in (torch.bfloat16, torch.float16):
         p = plan(dtype, cpu)
-        expected = (
-            ("compact", dtype, NativeHalf)
-            if native_half_gemm(dtype, cpu)
-            else ("accurate", torch.float32, Upcast)
+        backend = NativeHalf if native_half_gemm(dtype, cpu) else BlockUpcast
+        assert (p.policy, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
+            "balanced",
+            torch.float32,
+            "split",
+            backend,
         )
-        assert (p.policy, p.weight_grad_dtype, type(p.gemm)) == expected
     p = plan(torch.float16, cpu, acc_policy="compact")
-    assert (p.weight_grad_dtype, type(p.gemm)) == (torch.float16, Upcast)
+    assert (p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
+        torch.float16,
+        "direct",
+        NativeHalf if native_half_gemm(torch.float16, cpu) else BlockUpcast,
+    )
     p = plan(torch.bfloat16, cpu, acc_dtype=torch.bfloat16)
     assert (p.acc_dtype, type(p.gemm)) == (torch.bfloat16, SameDtype)
     # CUDA: native half GEMMs with fp32 results, except for "accurate".

@@ -4,15 +4,23 @@ A CPU without the matching instructions runs a bf16 GEMM one to two orders of
 magnitude slower than fp32 (scalar conversion loops), so the plan upcasts
 there. The answer comes from the CPU's feature flags, not from timing, so it
 is the same on every call.
+
+The environment variable ``LINEAR_CE_NATIVE_HALF_GEMM=0`` makes every CPU
+answer ``False``, so the path for CPUs without native half GEMMs runs (and is
+tested and benchmarked) on any machine; ``1`` or unset means detect. It is read
+on every call.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-__all__ = ["native_half_gemm"]
+__all__ = ["NATIVE_HALF_GEMM_ENV", "native_half_gemm"]
+
+NATIVE_HALF_GEMM_ENV = "LINEAR_CE_NATIVE_HALF_GEMM"
 
 # oneDNN's fast bf16 GEMM needs AVX512-BF16 or AMX; fp16 needs AVX512-FP16 or AMX-FP16.
 _CPU_FLAGS = {
@@ -37,7 +45,8 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """True where ``torch.mm`` of two ``dtype`` (fp16/bf16) matrices runs natively.
 
     CUDA: always. CPU: when the CPU advertises the instructions oneDNN uses
-    (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer).
+    (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer),
+    unless ``LINEAR_CE_NATIVE_HALF_GEMM=0`` (see the module doc).
 
     Example::
 
@@ -48,6 +57,17 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or not _detect_on_cpu() or not torch.backends.mkldnn.is_available():
         return False
     return any(flag in _cpu_flags() for flag in _CPU_FLAGS[dtype])
+
+
+def _detect_on_cpu() -> bool:
+    """False when ``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the non-native path."""
+    value = os.environ.get(NATIVE_HALF_GEMM_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(
+            f"{NATIVE_HALF_GEMM_ENV} must be 0 (CPUs use the path without native half "
+            f"GEMMs) or 1 (detect, the default), got {value!r}"
+        )
+    return value != "0"

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from linear_ce.accumulate import weight_grad_sum
 from linear_ce.losses.base import Head, RowStats
 from linear_ce.plan import Plan
 from linear_ce.row_chunks import chunk_size, row_chunks
@@ -79,11 +80,7 @@ def run_chunks(
     stats_buf = torch.empty((chunk, 1 + head.extra_sums), dtype=acc, device=device)
 
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
-    grad_w = (
-        torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=device)
-        if grad_weight
-        else None
-    )
+    grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
@@ -138,11 +135,11 @@ def run_chunks(
                     gemm.add_grad_input(gx, g_op, w_op)
                     grad_x.index_add_(0, chunk_rows, gx)
             if grad_weight:
-                gemm.weight_grad(grad_w[:, p, :], g_op, x_op)
+                grad_w.add(p, g_op, x_op)
 
     out_dtype = plan.input_dtype
     return Gradients(
         input=None if grad_x is None else grad_x.to(out_dtype),
-        weight=None if grad_w is None else grad_w.to(out_dtype),
+        weight=None if grad_w is None else grad_w.finish(),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )

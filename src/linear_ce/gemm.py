@@ -1,14 +1,18 @@
 """How the three GEMMs are issued on each backend; the only place that knows.
 
-The chunk loop calls ``logits``, ``grad_input`` and ``weight_grad`` with
-operands already converted by ``operand``/``weight_operand``; a backend
-decides the operand dtype and how a mixed-precision product is formed:
+The chunk loop calls ``logits`` and ``add_grad_input`` with operands already
+converted by ``operand``/``weight_operand``; the weight-gradient sum
+(:mod:`linear_ce.accumulate`) calls ``add_product``. A backend decides the
+operand dtype and how a mixed-precision product is formed:
 
 - ``SameDtype``: operands and results share one dtype (fp32/fp64 inputs, or
   a half dtype accumulated in itself).
-- ``Upcast``: CPUs without fast half GEMMs: fp16/bf16 operands are converted
-  to fp32 (the weight once per call, each chunk of rows as it comes) and the
-  GEMMs run in fp32.
+- ``Upcast``: fp16/bf16 operands converted to fp32 (the whole weight once per
+  call, each chunk of rows as it comes); the GEMMs run in fp32.
+- ``BlockUpcast``: as ``Upcast``, but the weight is converted one vocabulary
+  block at a time, inside each GEMM that reads it: no fp32 copy of the weight
+  (``V·F·4`` bytes), at the price of converting it twice per chunk (CPUs
+  without fast half GEMMs, for ``acc_policy`` ``"balanced"`` and ``"compact"``).
 - ``CudaOutDtype``: CUDA: half operands, fp32 results via
   ``torch.mm(..., out_dtype=torch.float32)``; the softmax is rounded to the
   half dtype before the gradient GEMMs.
@@ -21,12 +25,35 @@ decides the operand dtype and how a mixed-precision product is formed:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["CudaOutDtype", "Gemm", "NativeHalf", "SameDtype", "Upcast"]
+__all__ = [
+    "VOCAB_BLOCK_ELEMENTS",
+    "BlockUpcast",
+    "CudaOutDtype",
+    "Gemm",
+    "NativeHalf",
+    "SameDtype",
+    "Upcast",
+    "vocab_blocks",
+]
 
-_VOCAB_BLOCK = 4096
+#: Elements of one ``(block, F)`` slice of a ``(V, F)`` operand multiplied at a time:
+#: 4 MiB in fp32, so a block's temporaries stay a few percent of the gradients'
+#: bytes, while each block's GEMM (``block ≥ 256`` rows for ``F ≤ 4096``) stays
+#: efficient (256-row blocks of a bf16 weight-gradient GEMM with 128-row chunks run
+#: ~3× slower than 1024-row ones on a 2-core Zen 4).
+VOCAB_BLOCK_ELEMENTS = 1 << 20
+
+
+def vocab_blocks(classes: int, features: int, elements: int | None = None) -> Iterator[slice]:
+    """Consecutive slices of ``range(classes)`` of about ``elements // features`` classes
+    each (at least one); ``elements`` defaults to ``VOCAB_BLOCK_ELEMENTS``."""
+    step = max(1, (elements or VOCAB_BLOCK_ELEMENTS) // max(features, 1))
+    for start in range(0, classes, step):
+        yield slice(start, min(start + step, classes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +84,27 @@ class Gemm:
     def add_grad_input(
         self, acc: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor
     ) -> None:
-        """``acc += grad_logits @ weight`` (in the GEMM itself where dtypes allow:
-        no buffer, no extra pass)."""
-        if acc.dtype == grad_logits.dtype:
-            acc.addmm_(grad_logits, weight)
-        else:
-            acc.add_(self._product(grad_logits, weight))
+        """``acc += grad_logits @ weight``."""
+        self.add_product(acc, grad_logits, weight)
 
-    def weight_grad(self, acc: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        """``acc += grad_logits.T @ x``; ``acc`` may be narrower than the product
-        (``acc_policy="compact"``), then it is added in vocabulary blocks."""
-        if acc.dtype == grad_logits.dtype:
-            acc.addmm_(grad_logits.T, x)
-            return
-        for start in range(0, acc.shape[0], _VOCAB_BLOCK):
-            stop = min(start + _VOCAB_BLOCK, acc.shape[0])
-            acc[start:stop].add_(self._product(grad_logits[:, start:stop].T, x))
+    def add_product(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``acc += a @ b`` for operands from ``operand``: in the GEMM itself where the
+        dtypes allow (no temporary, no extra pass), else the product is added."""
+        if acc.dtype == a.dtype:
+            acc.addmm_(a, b)
+        else:
+            acc.add_(self._product(a, b))
+
+    def sum_of_products(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``Σ a @ b`` over ``pairs``, a new tensor in the products' dtype (fp32, or the
+        half dtype where products are half), each further product added in the GEMM."""
+        total = self._product(*pairs[0])
+        for a, b in pairs[1:]:
+            if total.dtype == a.dtype:
+                total.addmm_(a, b)
+            else:
+                total.add_(self._product(a, b))
+        return total
 
     def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
@@ -83,7 +115,26 @@ class SameDtype(Gemm):
 
 
 class Upcast(Gemm):
-    """Half operands converted to fp32 before each product."""
+    """Half operands converted to fp32 before each product; the weight once per call."""
+
+
+class BlockUpcast(Gemm):
+    """Half operands converted to fp32 before each product; the weight a vocabulary
+    block at a time, so no ``(V, F)`` fp32 copy of it ever exists."""
+
+    def weight_operand(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        # ``out`` is class-major: each block of classes is a contiguous slab of ``out.T``.
+        for block in vocab_blocks(weight.shape[0], weight.shape[1]):
+            torch.mm(self.operand(weight[block]), x.T, out=out.T[block])
+
+    def add_grad_input(
+        self, acc: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor
+    ) -> None:
+        for block in vocab_blocks(weight.shape[0], weight.shape[1]):
+            acc.addmm_(grad_logits[:, block], self.operand(weight[block]))
 
 
 class CudaOutDtype(Gemm):
@@ -107,5 +158,7 @@ class NativeHalf(Gemm):
     logits are rounded to the half dtype once, then widened into the buffer."""
 
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        # Formed class-major like ``out``, so the widening copy reads in order.
-        out.copy_(torch.mm(weight, x.T).T)
+        # Formed class-major like ``out``, a block of classes at a time: the widening
+        # copy reads in order, and the half temporary stays one block's size.
+        for block in vocab_blocks(weight.shape[0], x.shape[0]):
+            out.T[block].copy_(torch.mm(weight[block], x.T))

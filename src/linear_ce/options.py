@@ -60,23 +60,33 @@ class LinearCrossEntropyOptions:
             - ``None``: one chunk of :attr:`batch_chunk_size` rows (all rows if
               that is ``None`` too).
         acc_policy: which intermediates use :attr:`acc_dtype` when it differs
-            from the input dtype (fp16/bf16 inputs); see the README's table:
+            from the input dtype (fp16/bf16 inputs); see ``docs/acc-policy.md``
+            for the measured error against the number of chunks, memory and speed:
 
-            - ``"accurate"``: logits, softmax and both gradient GEMM outputs in
-              ``acc_dtype``; the weight gradient is accumulated across chunks
-              in an ``acc_dtype`` ``(V, F)`` buffer (``V·F·4`` bytes for fp32).
-            - ``"balanced"``: as ``"accurate"``, but where the device has native
-              fp16/bf16 GEMMs the GEMMs read their operands in the input dtype
-              (CUDA: fp32 results; a CPU with AVX512-BF16/AMX: the products are
-              rounded to the input dtype once, logits included). Identical to
-              ``"accurate"`` on other CPUs.
-            - ``"compact"``: no ``(V, F)`` accumulator: each chunk's weight
-              gradient is added straight into the input-dtype result (in the
-              GEMM itself, or in vocabulary blocks). Least memory, one rounding
-              per chunk; native half GEMMs as for ``"balanced"``.
-            - ``"auto"`` (default): ``"compact"`` for half inputs on a CPU with
-              native half GEMMs (fastest, and the only policy within 2.5× the
-              gradients' bytes there), ``"accurate"`` everywhere else.
+            - ``"accurate"``: fp32 copies of the weight (once per call) and of
+              each chunk of rows; logits, softmax and all three GEMM outputs in
+              ``acc_dtype``; the weight gradient summed in an ``acc_dtype``
+              ``(V, F)`` buffer (``V·F·4`` bytes for fp32). Most memory.
+            - ``"balanced"``: the GEMMs read half operands where the device has
+              native fp16/bf16 GEMMs (CUDA: fp32 results; a CPU with
+              AVX512-BF16/AMX: each product rounded to the input dtype once);
+              on other CPUs they run in fp32 on the weight upcast one
+              vocabulary block at a time (no fp32 copy of it). On a CPU the
+              weight gradient is summed in fp32 held in the half result plus a
+              low-order plane (``V·F`` more bytes;
+              see :mod:`linear_ce.accumulate`); on CUDA in an fp32 buffer.
+              Its error does not grow with the number of chunks.
+            - ``"compact"``: no weight-gradient buffer: each chunk's weight
+              gradient is added straight into the half result. Least memory,
+              but one rounding per chunk: the error grows with the number of
+              chunks (about 12× the plain expression's at 256 chunks in bf16).
+              GEMMs as for ``"balanced"``.
+            - ``"auto"`` (default): ``"balanced"`` for half inputs on a CPU,
+              ``"accurate"`` everywhere else.
+
+            The environment variable ``LINEAR_CE_NATIVE_HALF_GEMM=0`` makes
+            every CPU take the path without native half GEMMs (for tests and
+            benchmarks of that path on any machine).
         acc_dtype: accumulation dtype. ``None``: float32 for fp16/bf16 input,
             the input dtype otherwise. Must not be narrower than the input.
 

@@ -10,8 +10,9 @@ import dataclasses
 
 import torch
 
+from linear_ce.accumulate import split_sum_supported
 from linear_ce.capability import native_half_gemm
-from linear_ce.gemm import CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
+from linear_ce.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
@@ -45,8 +46,12 @@ class Plan:
         input_dtype: dtype of input, weight and the returned gradients.
         acc_dtype: dtype of the ``(chunk, V)`` logits/softmax buffer, the row
             statistics, the loss and the grad-input accumulator.
-        weight_grad_dtype: dtype the ``(V, F)`` weight gradient is accumulated
-            in; an extra buffer exists only when it differs from ``input_dtype``.
+        weight_grad_dtype: the precision the ``(V, F)`` weight gradient is
+            summed over chunks in.
+        weight_grad: how that sum is held (see :mod:`linear_ce.accumulate`):
+            ``"direct"`` in the result itself, ``"wide"`` in a separate
+            ``weight_grad_dtype`` buffer, ``"split"`` as fp32 spread over the
+            half result and a low-order plane.
         gemm: how the three GEMMs are issued (see :mod:`linear_ce.gemm`).
         policy: the resolved ``acc_policy``.
     """
@@ -55,6 +60,7 @@ class Plan:
     input_dtype: torch.dtype
     acc_dtype: torch.dtype
     weight_grad_dtype: torch.dtype
+    weight_grad: str
     gemm: Gemm
     policy: str
 
@@ -121,32 +127,44 @@ def make_plan(
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
-    ``acc_policy="auto"`` is ``"compact"`` for half inputs on a CPU with native
-    half GEMMs (:func:`~linear_ce.capability.native_half_gemm`): there an fp32
-    GEMM is several times slower and an fp32 ``(V, F)`` weight-gradient
-    accumulator alone exceeds the 2.5× memory bound of the gradients' bytes
-    whenever ``V > 3·N``. Everywhere else it is ``"accurate"``.
+    ``acc_policy="auto"`` is ``"balanced"`` for half inputs with fp32
+    accumulation on a CPU: native half GEMMs where the CPU has them
+    (:func:`~linear_ce.capability.native_half_gemm`), else fp32 GEMMs on the
+    weight upcast a vocabulary block at a time; the weight gradient summed in
+    fp32 held as the half result plus a low-order plane
+    (:mod:`linear_ce.accumulate`). That keeps the gradients' error independent
+    of the number of chunks within 2.5× the gradients' bytes, where an fp32
+    ``(V, F)`` accumulator alone takes 1.9× of them once ``V ≫ N``.
+    Everywhere else ``"auto"`` is ``"accurate"``.
     """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
-    native_cpu = (
-        mixed
-        and device.type == "cpu"
-        and acc_dtype == torch.float32
-        and native_half_gemm(input_dtype, device)
-    )
+    half_cpu = mixed and device.type == "cpu" and acc_dtype == torch.float32
+    native_cpu = half_cpu and native_half_gemm(input_dtype, device)
     policy = options.acc_policy
     if policy == "auto":
-        policy = "compact" if native_cpu else "accurate"
+        policy = "balanced" if half_cpu else "accurate"
     if not mixed:
         gemm: Gemm = SameDtype(input_dtype)
     elif device.type == "cuda" and policy != "accurate" and acc_dtype == torch.float32:
         gemm = CudaOutDtype(input_dtype)
     elif native_cpu and policy != "accurate":
         gemm = NativeHalf(input_dtype)
+    elif half_cpu and policy != "accurate":
+        gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
+    if weight_grad_dtype == input_dtype:
+        weight_grad = "direct"
+    elif (
+        policy == "balanced"
+        and device.type == "cpu"
+        and split_sum_supported(input_dtype, acc_dtype)
+    ):
+        weight_grad = "split"
+    else:
+        weight_grad = "wide"
     return Plan(
         rows_per_chunk=choose_chunk_rows(
             rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles
@@ -154,6 +172,7 @@ def make_plan(
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,
         weight_grad_dtype=weight_grad_dtype,
+        weight_grad=weight_grad,
         gemm=gemm,
         policy=policy,
     )

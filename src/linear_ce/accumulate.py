@@ -1,0 +1,219 @@
+r"""The weight gradient's running sum over chunks, :math:`\sum_k G_k^\top X_k`.
+
+The chunk loop creates one with :func:`weight_grad_sum`, calls
+``add(position, grad_logits, x)`` once per chunk and output position (operands
+as the plan's :class:`~linear_ce.gemm.Gemm` converted them), and ``finish()``
+once, which returns the ``(V, P, F)`` gradient in the input dtype. How the sum
+is held is the plan's ``weight_grad``:
+
+- ``"direct"``: each chunk's product is added straight into the result (in the
+  GEMM itself where the dtypes match). Exact for fp32/fp64 inputs; for half
+  inputs (``acc_policy="compact"``) one rounding to the half dtype per chunk, so
+  the error grows with the number of chunks.
+- ``"wide"``: a separate ``acc_dtype`` ``(V, P, F)`` buffer, converted at the end.
+- ``"split"``: the fp32 sum, held in the result's own storage plus a low-order
+  plane: fp32's top 16 bits live in the result tensor, the next 8 bits in a
+  ``(V, P, F)`` uint8 plane. Each chunk unpacks a
+  vocabulary block into an fp32 temporary, adds its product there, and packs it
+  back rounded to nearest; ``finish`` rounds each block to the input dtype in
+  place. The sum keeps 16 significant bits (bf16's 8 plus 8; for fp16 the top
+  16 bits of fp32 hold 8 of its 11, so 16 is 5 more than fp16's): the rounding
+  per chunk is 2⁻⁸ (bf16) or 2⁻⁵ (fp16) of the result's own, so the error stays
+  the final rounding's up to ~10⁴ (bf16) or ~10² (fp16) chunks and then grows as
+  ``√K`` times that rounding (fp16 at 4096 chunks: ~1.7× the final rounding).
+  Extra memory: ``V·P·F`` bytes, against ``4·V·P·F`` plus a result-sized copy
+  for ``"wide"``. Where the products are half (native half
+  GEMMs) it holds a copy of one chunk's operands and adds two chunks per
+  unpack/pack, which halves those passes for ``B·(V + F)`` half elements.
+
+Example::
+
+    >>> from linear_ce.gemm import SameDtype
+    >>> acc = SplitSum((10, 1, 8), torch.bfloat16, SameDtype(torch.float32), "cpu")
+    >>> g, x = torch.randn(4, 10), torch.randn(4, 8)
+    >>> acc.add(0, g, x)
+    >>> acc.finish().dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from linear_ce.gemm import Gemm, vocab_blocks
+
+if TYPE_CHECKING:
+    from linear_ce.plan import Plan
+
+__all__ = [
+    "CACHE_BLOCK_ELEMENTS",
+    "DirectSum",
+    "SplitSum",
+    "WideSum",
+    "split_sum_supported",
+    "weight_grad_sum",
+]
+
+#: Elements of the fp32 scratch a block of the sum is unpacked into: 1 MiB, so it stays
+#: in a core's L2 cache between unpacking, adding and packing (on a 2-core Zen 4, bf16,
+#: N=1024 F=1024 V=32768: 3.5 s per training step against 5.0 s with 4 MiB).
+CACHE_BLOCK_ELEMENTS = 1 << 18
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
+    """Whether :class:`SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
+    half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
+    return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
+
+
+class DirectSum:
+    """Products added straight into the result (see module doc, ``"direct"``)."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+    ) -> None:
+        self.sum = torch.zeros(shape, dtype=dtype, device=device)
+        self.gemm = gemm
+
+    def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum[:, position] += grad_logitsᵀ · x``."""
+        acc = self.sum[:, position]
+        if acc.dtype == grad_logits.dtype:
+            acc.addmm_(grad_logits.T, x)
+            return
+        # A narrower sum: the product is formed a block of classes at a time.
+        for block in vocab_blocks(acc.shape[0], acc.shape[1]):
+            self.gemm.add_product(acc[block], grad_logits[:, block].T, x)
+
+    def finish(self) -> torch.Tensor:
+        return self.sum
+
+
+class WideSum(DirectSum):
+    """A separate wide buffer, rounded to ``result_dtype`` by ``finish``."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gemm: Gemm,
+        device: torch.device,
+        result_dtype: torch.dtype,
+    ) -> None:
+        super().__init__(shape, dtype, gemm, device)
+        self.result_dtype = result_dtype
+
+    def finish(self) -> torch.Tensor:
+        return self.sum.to(self.result_dtype)
+
+
+class SplitSum:
+    """An fp32 sum held in a half result plus a low-order plane (see module doc)."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gemm: Gemm,
+        device: torch.device,
+        *,
+        pair_chunks: bool = False,
+    ) -> None:
+        if dtype not in _HALF:
+            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
+        self.result = torch.zeros(shape, dtype=dtype, device=device)
+        self.gemm = gemm
+        self._high = self.result.view(torch.int16)
+        self._low = torch.zeros(shape, dtype=torch.uint8, device=device)
+        block = next(vocab_blocks(shape[0], shape[-1], CACHE_BLOCK_ELEMENTS)).stop
+        self._scratch = torch.empty((block, shape[-1]), dtype=torch.float32, device=device)
+        self._started: set[int] = set()
+        self._pair_chunks = pair_chunks
+        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum[:, position] += grad_logitsᵀ · x``, in fp32 (with ``pair_chunks``
+        possibly at the next call: the operands are copied, the caller may reuse them)."""
+        if self._held is not None:
+            held_position, held_grad, held_x = self._held
+            self._held = None
+            if held_position == position:
+                self._update(position, [(held_grad, held_x), (grad_logits, x)])
+                return
+            self._update(held_position, [(held_grad, held_x)])
+        if self._pair_chunks:
+            self._held = (position, grad_logits.clone(), x.clone())
+        else:
+            self._update(position, [(grad_logits, x)])
+
+    def finish(self) -> torch.Tensor:
+        """The sum rounded to the result dtype, in the result's storage; frees the plane."""
+        if self._held is not None:
+            position, grad_logits, x = self._held
+            self._held = None
+            self._update(position, [(grad_logits, x)])
+        classes, features = self.result.shape[0], self.result.shape[-1]
+        for position in range(self.result.shape[1]):
+            for block in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
+                self.result[block, position].copy_(self._unpack(block, position, zero=False))
+        self._low = self._scratch = None
+        return self.result
+
+    def _update(self, position: int, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        classes, features = self.result.shape[0], self.result.shape[-1]
+        # Nothing to unpack before a position's first chunk: the sum starts at zero.
+        zero = position not in self._started
+        if chunks[0][0].dtype == self._scratch.dtype:
+            # fp32 products: each GEMM adds into the unpacked part itself, no temporary.
+            for rows in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
+                acc = self._unpack(rows, position, zero=zero)
+                for g, x in chunks:
+                    acc.addmm_(g[:, rows].T, x)
+                self._pack(acc, rows, position)
+            self._started.add(position)
+            return
+        # Half products a GEMM-sized block at a time; unpack, add, pack in cache-sized parts.
+        for block in vocab_blocks(classes, features):
+            total = self.gemm.sum_of_products([(g[:, block].T, x) for g, x in chunks])
+            for part in vocab_blocks(block.stop - block.start, features, CACHE_BLOCK_ELEMENTS):
+                rows = slice(block.start + part.start, block.start + part.stop)
+                acc = self._unpack(rows, position, zero=zero)
+                acc.add_(total[part])
+                self._pack(acc, rows, position)
+        self._started.add(position)
+
+    def _unpack(self, block: slice, position: int, *, zero: bool) -> torch.Tensor:
+        acc = self._scratch[: block.stop - block.start]
+        # The bits below the plane are zero: that is the value the pack rounded to.
+        acc.view(torch.int32).zero_()
+        if zero:
+            return acc
+        acc.view(torch.int16).view(*acc.shape, 2)[..., 1].copy_(self._high[block, position])
+        acc.view(torch.uint8).view(*acc.shape, 4)[..., 1].copy_(self._low[block, position])
+        return acc
+
+    def _pack(self, acc: torch.Tensor, block: slice, position: int) -> None:
+        # Round to nearest at the plane's last bit: adding half of the dropped byte's range
+        # to the bit pattern carries into the kept bits (and the exponent) exactly as
+        # rounding the magnitude does; the sign bit is untouched short of NaN.
+        acc.view(torch.int32).add_(0x80)
+        self._low[block, position].copy_(acc.view(torch.uint8).view(*acc.shape, 4)[..., 1])
+        self._high[block, position].copy_(acc.view(torch.int16).view(*acc.shape, 2)[..., 1])
+
+
+def weight_grad_sum(
+    plan: Plan, shape: tuple[int, ...], device: torch.device
+) -> DirectSum | WideSum | SplitSum:
+    """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
+    if plan.weight_grad == "split":
+        # Half products: holding one chunk costs B·(V + F) half elements, halves the passes.
+        pair = plan.gemm.operand_dtype == plan.input_dtype
+        return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
+    if plan.weight_grad == "wide":
+        return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
+    return DirectSum(shape, plan.input_dtype, plan.gemm, device)

@@ -1,0 +1,179 @@
+"""Issue 16: half-precision gradients whose error does not grow with the number of chunks.
+
+References are written here: the plain expression ``F.cross_entropy(F.linear(x, W), t)``
+in float64 on the same (rounded) inputs, and the plain expression in the input dtype,
+whose own error sets the bound (twice it). The path for CPUs without native half GEMMs
+is forced with ``LINEAR_CE_NATIVE_HALF_GEMM=0``, so it is tested on every machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linear_ce
+import linear_ce.gemm
+from conftest import eps, rel_err
+from linear_ce import LinearCrossEntropyOptions
+from linear_ce.accumulate import SplitSum
+from linear_ce.capability import NATIVE_HALF_GEMM_ENV, native_half_gemm
+from linear_ce.gemm import BlockUpcast, NativeHalf, SameDtype
+from linear_ce.plan import make_plan
+from memory_probe import transient_peak
+
+HALF = (torch.bfloat16, torch.float16)
+CPU = torch.device("cpu")
+
+
+def _grads(fn, x, W, t, **kwargs):
+    xs, Ws = x.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    fn(xs, Ws, t, **kwargs).backward()
+    return xs.grad, Ws.grad
+
+
+def _plain(x, W, t, **_):
+    return F.cross_entropy(F.linear(x, W), t)
+
+
+@pytest.fixture(params=["native", "forced non-native"])
+def path(request, monkeypatch):
+    """Which CPU path runs: detected native half GEMMs, or the one without them (forced)."""
+    if request.param == "forced non-native":
+        monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "0")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_gradients_within_twice_plain_at_256_chunks(dtype, path):
+    if path == "native" and not native_half_gemm(dtype, CPU):
+        pytest.skip(f"this CPU has no native {dtype} GEMMs")
+    rows, features, classes, chunk = 8192, 32, 64, 32  # 256 chunks
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64).to(dtype)
+    W = (torch.randn(classes, features, generator=gen, dtype=torch.float64) / 4).to(dtype)
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    options = LinearCrossEntropyOptions(batch_chunk_size=chunk)
+    plan = make_plan(rows, features, classes, dtype, CPU, options)
+    assert type(plan.gemm) is (NativeHalf if path == "native" else BlockUpcast)
+    exact = _grads(_plain, x.double(), W.double(), t)
+    plain = _grads(_plain, x, W, t)
+    ours = _grads(linear_ce.linear_cross_entropy, x, W, t, options=options)
+    for name, got, own, ref in zip(("grad_input", "grad_weight"), ours, plain, exact, strict=True):
+        assert got.dtype == dtype
+        err, bound = rel_err(got, ref), max(3 * eps(dtype), 2 * rel_err(own, ref))
+        assert err <= bound, (
+            f"{name}: error {err:.2e} > {bound:.2e} (plain {rel_err(own, ref):.2e})"
+        )
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_split_sum_stays_at_the_rounded_exact_sum(dtype, monkeypatch):
+    # Small vocabulary blocks, so one add spans several blocks and a ragged last one.
+    monkeypatch.setattr(linear_ce.gemm, "VOCAB_BLOCK_ELEMENTS", 64)
+    classes, positions, features, adds = 30, 2, 7, 1000
+    gen = torch.Generator().manual_seed(3)
+    acc = SplitSum((classes, positions, features), dtype, SameDtype(torch.float32), CPU)
+    exact = torch.zeros(classes, positions, features, dtype=torch.float64)
+    for k in range(adds):
+        g = torch.randn(4, classes, generator=gen)
+        x = torch.randn(4, features, generator=gen) * (1 + k % 7)
+        p = k % positions
+        acc.add(p, g, x)
+        exact[:, p] += g.double().T @ x.double()
+    got = acc.finish()
+    assert got.dtype == dtype and got.shape == exact.shape
+    # About as close as rounding the exact sum once: the running sum keeps 16 bits, 8 more
+    # than bf16 (per add 2⁻⁸ of its rounding) and 5 more than fp16 (2⁻⁵: over 500 adds
+    # per position that adds ~10% to the rounding's error).
+    rounding = rel_err(exact.to(dtype), exact)
+    assert rel_err(got, exact) <= {torch.bfloat16: 1.02, torch.float16: 1.25}[dtype] * rounding
+
+
+def test_split_sum_keeps_infinities():
+    acc = SplitSum((3, 1, 2), torch.bfloat16, SameDtype(torch.float32), CPU)
+    g = torch.tensor([[1.0, float("inf"), -1.0]])
+    acc.add(0, g, torch.ones(1, 2))
+    acc.add(0, torch.ones(1, 3), torch.ones(1, 2))
+    got = acc.finish()[:, 0].float()
+    assert torch.equal(got, torch.tensor([[2.0, 2.0], [float("inf")] * 2, [0.0, 0.0]]))
+
+
+def test_native_half_gemm_variable(monkeypatch):
+    monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "0")
+    assert not native_half_gemm(torch.bfloat16, CPU)
+    plan = make_plan(64, 16, 100, torch.bfloat16, CPU, LinearCrossEntropyOptions())
+    assert (plan.policy, plan.weight_grad, type(plan.gemm)) == ("balanced", "split", BlockUpcast)
+    monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "yes")
+    with pytest.raises(ValueError, match=r"LINEAR_CE_NATIVE_HALF_GEMM must be 0 .* got 'yes'"):
+        native_half_gemm(torch.bfloat16, CPU)
+
+
+def _kdim_exact(x, W, t):
+    """Gradients of the mean K-dim cross entropy in numpy's extended precision:
+    ``∂ℓ/∂s[n, :, p] = (softmax(s[n, :, p]) − onehot(t[n, p])) / (N·P)``."""
+    ld = np.longdouble
+    X, Wn = x.double().numpy().astype(ld), W.double().numpy().astype(ld)
+    classes, features = Wn.shape[0], Wn.shape[-1]
+    positions = Wn.size // (classes * features)
+    flat = Wn.reshape(classes * positions, features)
+    S = (X @ flat.T).reshape(len(X), classes, positions)
+    E = np.exp(S - S.max(axis=1, keepdims=True))
+    dS = E / E.sum(axis=1, keepdims=True)
+    n, p = np.meshgrid(np.arange(len(X)), np.arange(positions), indexing="ij")
+    dS[n, t.reshape(len(X), positions).numpy(), p] -= 1
+    dS = dS.reshape(len(X), classes * positions) / (len(X) * positions)
+    return dS @ flat, (dS.T @ X).reshape(Wn.shape)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+def test_k_dimensional_gradients(dtype):
+    if np.finfo(np.longdouble).eps >= 1e-18:
+        pytest.skip("numpy.longdouble is not wider than float64 on this platform")
+    rows, features, classes = 252, 123, 507
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64).to(dtype)
+    W = (torch.randn(classes, 3, 2, features, generator=gen, dtype=torch.float64) / 6).to(dtype)
+    t = torch.randint(0, classes, (rows, 3, 2), generator=gen)
+    exact = _kdim_exact(x, W, t)
+
+    def err(got, ref):
+        g = got.detach().double().numpy().astype(np.longdouble)
+        return float(np.linalg.norm((g - ref).ravel()) / np.linalg.norm(ref.ravel()))
+
+    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+    ours = _grads(linear_ce.linear_cross_entropy, x, W, t, options=options)
+    # The plain expression in the same dtype is ~8 eps off on grad_input here, in float64
+    # too (a sum over 3042 logits per row): twice its error is the bound where above 3 eps.
+    plain = _grads(linear_ce.reference.linear_cross_entropy, x, W, t)
+    bounds = [max(3 * eps(dtype), 2 * err(p, e)) for p, e in zip(plain, exact, strict=True)]
+    for name, got, ref, bound in zip(
+        ("grad_input", "grad_weight"), ours, exact, bounds, strict=True
+    ):
+        assert err(got, ref) <= bound, f"{name}: {err(got, ref) / eps(dtype):.2f} eps"
+
+
+_MEMORY_SETUP = """
+import os, torch, linear_ce
+{env}
+torch.manual_seed(0)
+x = torch.randn(2048, 1024).to(torch.{dtype}).requires_grad_()
+W = (torch.randn(32768, 1024) / 32).to(torch.{dtype}).requires_grad_()
+t = torch.randint(0, 32768, (2048,))
+warm = torch.randn(8, 1024).to(torch.{dtype}).requires_grad_()
+linear_ce.linear_cross_entropy(warm, W, torch.randint(0, 32768, (8,))).backward()
+W.grad = None
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_transient_memory_within_two_and_a_half_gradients(dtype, path):
+    if path == "native" and not native_half_gemm(dtype, CPU):
+        pytest.skip(f"this CPU has no native {dtype} GEMMs")
+    env = f"os.environ['{NATIVE_HALF_GEMM_ENV}'] = '0'" if path != "native" else ""
+    setup = _MEMORY_SETUP.format(env=env, dtype=str(dtype).split(".")[1])
+    peak = transient_peak(setup, "linear_ce.linear_cross_entropy(x, W, t).backward()")
+    grads = (2048 + 32768) * 1024 * dtype.itemsize
+    assert peak <= 2.5 * grads, f"{peak / grads:.2f}x the gradients' bytes"
