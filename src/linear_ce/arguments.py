@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import torch
 
-from linear_ce.transform import LogitTransform
+from linear_ce.transform import LogitTransform, check_scales
 
 __all__ = [
     "Call",
@@ -37,6 +37,7 @@ __all__ = [
     "check_softcap",
     "check_target",
     "check_tensor_types",
+    "check_token_call",
     "check_token_weight",
     "check_z_loss",
     "to_rows",
@@ -450,3 +451,51 @@ def check_call(
         loss_shape=shapes.loss,
         weight_shape=tuple(linear_weight.shape),
     )
+
+
+def check_token_call(
+    name: str,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None,
+    ignore_index: int,
+    shift: bool | int,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    flags: dict[str, object],
+    num_classes: int | None = None,
+) -> Call:
+    """Validate a per-token call (``token_logprobs``, ``token_objective`` and their
+    vocab-parallel forms; errors name ``name``): integer token ids, a 2-D head, an int
+    ``ignore_index``, bool ``flags``, then :func:`check_call` with ``reduction="none"``
+    and the logits transform."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"{name}: target must be an integer tensor of token ids, got {got}")
+    if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
+        got = getattr(linear_weight, "shape", type(linear_weight).__name__)
+        got = tuple(got) if isinstance(got, torch.Size) else got
+        raise ValueError(f"{name}: linear_weight must have shape (V, in_features), got {got}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"{name}: ignore_index must be an int, got {ignore_index!r}")
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: {flag} must be a bool, got {value!r}")
+    call = check_call(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=None,
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        softcap=softcap,
+        shift=shift,
+        num_classes=num_classes,
+    )
+    check_scales(name, logit_scale, temperature)
+    return with_scales(call, logit_scale, temperature)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call, with_scales
+from linear_ce.arguments import Call, check_call, check_token_call, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobHead
@@ -511,33 +511,29 @@ def vocab_parallel_token_logprobs(
     _reject_dtensors(
         input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias
     )
+    name = "vocab_parallel_token_logprobs"
     if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
         raise ValueError(
-            f"vocab_parallel_token_logprobs: linear_weight must be this rank's shard "
-            f"(V_local, in_features), got {getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
-        )
-    if not isinstance(target, torch.Tensor) or target.is_floating_point():
-        raise ValueError(
-            "vocab_parallel_token_logprobs: target must be an integer tensor of token ids"
+            f"{name}: linear_weight must be this rank's shard (V_local, in_features), got "
+            f"{getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
         )
     _require_group(process_group)
     vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
-    options = resolve_options(options, "vocab_parallel_token_logprobs")
-    call = check_call(
+    options = resolve_options(options, name)
+    call = check_token_call(
+        name,
         input,
         linear_weight,
         target,
         linear_bias=linear_bias,
-        weight=None,
-        reduction="none",
         ignore_index=ignore_index,
-        label_smoothing=0.0,
-        softcap=softcap,
         shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={"entropy": entropy, "top1": top1},
         num_classes=num_classes,
     )
-    check_scales("vocab_parallel_token_logprobs", logit_scale, temperature)
-    call = with_scales(call, logit_scale, temperature)
     _check_targets(call, num_classes)
     rows, in_features = call.input.shape
     world = dist.get_world_size(process_group)

@@ -6,10 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from linear_ce.arguments import check_call, with_scales
+from linear_ce.arguments import check_token_call
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.transform import check_scales
 
 __all__ = ["TokenLogprobs", "token_logprobs"]
 
@@ -93,35 +92,19 @@ def token_logprobs(
         >>> loss = -(advantages * out.logprob).mean() - 0.01 * out.entropy.mean()
         >>> loss.backward()
     """
-    if not isinstance(target, torch.Tensor) or target.is_floating_point():
-        raise ValueError(
-            f"{_NAME}: target must be an integer tensor of token ids, got "
-            f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}"
-        )
-    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() != 2:
-        raise ValueError(
-            f"{_NAME}: linear_weight must have shape (V, in_features), got "
-            f"{tuple(linear_weight.shape)}"
-        )
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"{_NAME}: ignore_index must be an int, got {ignore_index!r}")
-    for name, flag in (("entropy", entropy), ("top1", top1)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{_NAME}: {name} must be a bool, got {flag!r}")
-    call = check_call(
+    call = check_token_call(
+        _NAME,
         input,
         linear_weight,
         target,
         linear_bias=linear_bias,
-        weight=None,
-        reduction="none",
         ignore_index=ignore_index,
-        label_smoothing=0.0,
-        softcap=softcap,
         shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={"entropy": entropy, "top1": top1},
     )
-    check_scales(_NAME, logit_scale, temperature)
-    call = with_scales(call, logit_scale, temperature)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
     logprob, ent, is_top1 = token_rows(

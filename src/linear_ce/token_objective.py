@@ -8,13 +8,12 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call, with_scales
+from linear_ce.arguments import Call, check_token_call
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.losses.token_objective import ObjectiveHead
 from linear_ce.ops import check_class_indices, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.transform import check_scales
 
 __all__ = ["token_objective"]
 
@@ -169,31 +168,21 @@ def token_objective(
     """
     if not callable(objective):
         raise ValueError(f"{_NAME}: objective must be callable, got {type(objective).__name__}")
-    if not isinstance(target, torch.Tensor) or target.is_floating_point():
-        raise ValueError(f"{_NAME}: target must be an integer tensor of token ids")
-    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() != 2:
-        raise ValueError(
-            f"{_NAME}: linear_weight must have shape (V, in_features), got "
-            f"{tuple(linear_weight.shape)}"
-        )
-    if not isinstance(entropy, bool):
-        raise ValueError(f"{_NAME}: entropy must be a bool, got {entropy!r}")
-    if getattr(objective, "needs_entropy", False) and not entropy:
+    if getattr(objective, "needs_entropy", False) and entropy is False:
         raise ValueError(f"{_NAME}: objective {objective!r} reads the entropy; pass entropy=True")
-    call = check_call(
+    call = check_token_call(
+        _NAME,
         input,
         linear_weight,
         target,
         linear_bias=linear_bias,
-        weight=None,
-        reduction="none",
         ignore_index=ignore_index,
-        label_smoothing=0.0,
-        softcap=softcap,
         shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={"entropy": entropy},
     )
-    check_scales(_NAME, logit_scale, temperature)
-    call = with_scales(call, logit_scale, temperature)
     check_class_indices(call.target, call.ignore_index, call.linear_weight.shape[0], _NAME)
     side = _side_inputs(token_tensors, target, input)
     options = resolve_options(options, _NAME)
