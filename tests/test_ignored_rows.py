@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
+from linear_ce.accumulate import DirectSum, SplitSum
 from linear_ce.gemm import Gemm
 
 N, FEAT, CLASSES, CHUNK = 24, 6, 11, 4
@@ -226,6 +227,9 @@ def gemm_rows(monkeypatch):
         for name, index in methods.items():
             if name in vars(cls):
                 monkeypatch.setattr(cls, name, recording(name, vars(cls)[name], index))
+    # The weight-gradient GEMMs are issued by the weight-gradient sum: add(position, g, x).
+    for cls in (DirectSum, SplitSum):
+        monkeypatch.setattr(cls, "add", recording("weight_grad", vars(cls)["add"], 2))
     return seen
 
 

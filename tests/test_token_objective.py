@@ -17,6 +17,7 @@ import linear_ce
 import linear_ce.objectives as obj
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
+from linear_ce.accumulate import DirectSum, SplitSum
 from linear_ce.gemm import Gemm
 
 B, T, FEAT, V = 3, 11, 8, 29
@@ -209,6 +210,9 @@ def gemm_rows(monkeypatch):
         for name in index:
             if name in vars(cls):
                 monkeypatch.setattr(cls, name, recording(name, vars(cls)[name]))
+    # The weight-gradient GEMMs are issued by the weight-gradient sum: add(position, g, x).
+    for cls in (DirectSum, SplitSum):
+        monkeypatch.setattr(cls, "add", recording("weight_grad", vars(cls)["add"]))
     return seen
 
 

@@ -60,7 +60,7 @@ class LinearCrossEntropyOptions:
             - ``None``: one chunk of :attr:`batch_chunk_size` rows (all rows if
               that is ``None`` too).
         acc_policy: which intermediates use :attr:`acc_dtype` when it differs
-            from the input dtype (fp16/bf16 inputs); see ``docs/acc-policy.md``
+            from the input dtype (fp16/bf16 inputs); see ``docs/precision.md``
             for the measured error against the number of chunks, memory and speed:
 
             - ``"accurate"``: fp32 copies of the weight (once per call) and of
