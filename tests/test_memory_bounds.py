@@ -154,17 +154,10 @@ def _report(name: str, peak: int) -> str:
     )
 
 
-_ISSUE_16 = pytest.mark.xfail(
-    strict=False,
-    reason="issue 16: bf16/fp16 on CPUs without native half GEMMs holds an fp32 copy of W "
-    "and an fp32 (V, F) accumulator (about 5x the gradients' bytes)",
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=_ISSUE_16) if VARIANTS[n].force_upcast else n for n in VARIANTS],
+    list(VARIANTS),
 )
 def test_transient_memory_within_readme_bound(peaks, name):
     variant, peak = VARIANTS[name], peaks[name]

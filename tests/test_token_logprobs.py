@@ -133,8 +133,8 @@ def test_matches_plain_expression(transform, flows, shift, bias, pattern, dtype)
         ]
         # Entropy gradients amplify the logits' own rounding by |u − μ|; MKL rounds the
         # logits GEMM of a few-row chunk differently from the plain expression's one GEMM
-        # of all rows, which puts them at up to ~3.5 eps here (2.3 eps unchunked).
-        floor = (4 if "entropy" in FLOWS[flows] else 3) * eps(dtype)
+        # of all rows, which puts them at up to ~4.1 eps here (2.3 eps unchunked).
+        floor = (5 if "entropy" in FLOWS[flows] else 3) * eps(dtype)
         bounds = [max(floor, 2 * e) for e in own]
     pairs = [(out.logprob, ref[0]), (out.entropy, ref[1])] + [
         (g, r) for g, r in zip(got_grads, ref_grads, strict=True) if r is not None
