@@ -97,7 +97,7 @@ def train(args: argparse.Namespace) -> dict:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, args.dtype))
     if args.variant == "linear_ce":
         patch(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -125,6 +125,7 @@ def train(args: argparse.Namespace) -> dict:
         "seq": args.seq,
         "tokens": len(ids),
         "logits_bytes": args.batch * args.seq * len(vocab) * 4,
+        "dtype": args.dtype,
     }
 
 
@@ -145,7 +146,8 @@ def plot(results: dict[str, dict], out: pathlib.Path) -> None:
         top.plot(steps, result["losses"], label=label, **style)
     top.set_ylabel("training loss (nats/token)")
     top.set_title(
-        f"Tiny Llama, word vocab {plain['vocab']:,}, {plain['batch']}×{plain['seq']} tokens/step "
+        f"Tiny Llama ({plain['dtype']}), word vocab {plain['vocab']:,}, "
+        f"{plain['batch']}×{plain['seq']} tokens/step "
         f"(logits {plain['logits_bytes'] / 2**20:.0f} MiB)"
     )
     top.legend()
@@ -169,6 +171,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the model's dtype (bfloat16: a pure bf16 run, no autocast)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
