@@ -31,6 +31,8 @@ def test_report_end_to_end(tmp_path):
             "1",
             "--ignored",
             "0.5",
+            "--heads",
+            "ce,logprobs,objective",
             "--plot",
             str(plot),
             "--json",
@@ -63,8 +65,20 @@ def test_report_end_to_end(tmp_path):
         (64, "bf16", "objective", 0.0),
     }
     for point in data["points"]:
-        # Each point measures the variants of its head (the floors serve every head).
-        expected = [name for name in DEFAULT if point["head"] in VARIANTS[name].heads]
+        # Each point measures the variants of its head (the floors serve every head); the
+        # extra points keep the floors, plain, torch and linear_ce only.
+        floors = ["floor", "floor-fp32"]
+        expected = {
+            ("ce", False): [n for n in DEFAULT if "ce" in VARIANTS[n].heads],
+            ("ce", True): [*floors, "plain", "torch", "linear_ce"],
+            ("logprobs", False): [*floors, "logprobs-plain", "logprobs-linear_ce"],
+            ("objective", False): [
+                *floors,
+                "objective-plain",
+                "objective-logprobs",
+                "objective-linear_ce",
+            ],
+        }[(point["head"], point["ignored"] > 0)]
         assert [row["variant"] for row in point["rows"]] == expected
         if point["head"] != "ce" or point["ignored"]:
             rows = {row["variant"]: row for row in point["rows"]}

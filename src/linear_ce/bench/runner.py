@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 
 from linear_ce.bench.config import Point
-from linear_ce.bench.variants import VARIANTS
+from linear_ce.bench.variants import measured_at
 
 __all__ = ["Measured", "run_points"]
 
@@ -74,7 +74,7 @@ def run_points(
     repeats: int,
     advance: Callable[[str, int], None],
 ) -> list[dict[str, Measured]]:
-    """Measure ``names`` at each point (those whose heads include the point's head);
+    """Measure ``names`` at each point (those :func:`~linear_ce.bench.variants.measured_at` it);
     ``advance(text, calls)`` reports progress (``repeats + 1`` calls per variant and
     point, skipped ones included).
 
@@ -84,7 +84,7 @@ def run_points(
     results = []
     try:
         for point in points:
-            here = [name for name in names if point.head in VARIANTS[name].heads]
+            here = [name for name in names if measured_at(name, point)]
             measured = {name: Measured() for name in here}
             for name in here:
                 workers[name].send({"op": "setup", "point": dataclasses.asdict(point)})

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from linear_ce.bench.config import HEADS, Point
 from linear_ce.capability import native_half_gemm
 
-__all__ = ["DEFAULT", "VARIANTS", "Variant", "make_inputs", "reference_variant"]
+__all__ = [
+    "DEFAULT",
+    "SWEEP_ONLY",
+    "VARIANTS",
+    "Variant",
+    "make_inputs",
+    "measured_at",
+    "reference_variant",
+]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], None]]
@@ -405,6 +413,30 @@ DEFAULT = (
     "objective-logprobs",
     "objective-linear_ce",
 )
+
+
+#: Measured at the swept points only, not at the extra (masked, per-token) ones: the
+#: default run stays short, and the extra points keep the floors, the plain expression,
+#: torch's builtin and linear_ce.
+SWEEP_ONLY = frozenset(
+    {
+        "plain-compile",
+        "torch-512",
+        "linear_ce-accurate",
+        "linear_ce-balanced",
+        "linear_ce-compact",
+        "cce",
+        "liger",
+        "floor-fwd",
+        "linear_ce-fwd",
+    }
+)
+
+
+def measured_at(name: str, point: Point) -> bool:
+    """Whether variant ``name`` is measured at ``point``: the point's head is one of the
+    variant's, and the variant is not :data:`SWEEP_ONLY` unless the point is swept."""
+    return point.head in VARIANTS[name].heads and (point.swept or name not in SWEEP_ONLY)
 
 
 def reference_variant(point: Point, kind: str) -> str:
