@@ -410,16 +410,22 @@ def _rows_backward(ctx, grad_loss, *_unused):
         need_weight,
         need_bias,
     )
-    if need_input:
-        result[0] = outputs[3]
-    if need_weight:
-        result[1] = outputs[4]
-    if need_bias:
-        result[3] = outputs[5]
-    return tuple(result)
+    return recomputed_gradients(result, outputs, (need_input, need_weight, need_bias))
 
 
 chunked_rows.register_autograd(_rows_backward, setup_context=_rows_setup_context)
+
+
+def recomputed_gradients(
+    slots: list, outputs: tuple[torch.Tensor, ...], needs: tuple[bool, bool, bool]
+) -> tuple:
+    """An op's backward result: the gradients of ``input``, ``linear_weight`` and
+    ``linear_bias`` (argument slots 0, 1, 3) from the last three outputs of its
+    recomputing call, where needed."""
+    for slot, output, need in zip((0, 1, 3), outputs[3:6], needs, strict=True):
+        if need:
+            slots[slot] = output
+    return tuple(slots)
 
 
 def _vmap_by_loop(op):

@@ -16,7 +16,13 @@ import torch
 
 from linear_ce.chunked import Gradients, run_chunks, tiles_for
 from linear_ce.losses.token_logprob import TokenLogprobHead
-from linear_ce.ops import _gradient_outputs, _options, _vmap_by_loop, check_class_indices
+from linear_ce.ops import (
+    _gradient_outputs,
+    _options,
+    _vmap_by_loop,
+    check_class_indices,
+    recomputed_gradients,
+)
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
 
@@ -200,13 +206,7 @@ def _backward(ctx, grad_logprob, grad_entropy, *_unused):
         need_weight,
         need_bias,
     )
-    if need_input:
-        result[0] = outputs[3]
-    if need_weight:
-        result[1] = outputs[4]
-    if need_bias:
-        result[3] = outputs[5]
-    return tuple(result)
+    return recomputed_gradients(result, outputs, (need_input, need_weight, need_bias))
 
 
 token_rows.register_autograd(_backward, setup_context=_setup_context)
