@@ -8,6 +8,7 @@
 import importlib.metadata
 
 from linear_ce import objectives, reference
+from linear_ce.divergence import linear_divergence
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
@@ -21,6 +22,7 @@ __all__ = [
     "LinearCrossEntropyOutput",
     "TokenLogprobs",
     "linear_cross_entropy",
+    "linear_divergence",
     "objectives",
     "reference",
     "token_logprobs",

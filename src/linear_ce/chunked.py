@@ -9,6 +9,14 @@ head's per-row outputs, then — only if gradients are wanted — the head turns
 a tile into ``∂L/∂s`` and the two gradient GEMMs consume it. Nothing here
 grows with ``N·V``: the ``(B, V)`` tiles (one, two when the head keeps ``u``,
 one more for a softcap's derivative) are reused by every chunk.
+
+A :class:`Companion` is a second projection of the same rows (a distillation
+teacher's head): per chunk its logits are formed next to the student's,
+transformed by its own transform, shifted by their row max over every shard
+and handed to the head (``companion_tile``) before the head's row sums. It gets
+no gradient. A head with ``late_sums`` has row sums that need the normalisers
+``Z`` themselves (a mixture of two distributions): they are formed once the
+first statistics are combined, and combined over shards in a second round.
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ import dataclasses
 import torch
 
 from linear_ce.accumulate import weight_grad_sum
+from linear_ce.gemm import Gemm
 from linear_ce.losses.base import Head, RowStats
 from linear_ce.plan import Plan
 from linear_ce.row_chunks import chunk_size, row_chunks
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["Gradients", "run_chunks", "tiles_for"]
+__all__ = ["Companion", "Gradients", "run_chunks", "tiles_for"]
 
 
 @dataclasses.dataclass
@@ -36,10 +45,27 @@ class Gradients:
     bias: torch.Tensor | None
 
 
-def tiles_for(keeps_logits: bool, transform: LogitTransform, want_grads: bool) -> int:
-    """How many ``(B, V)`` tiles the loop holds for a head (its ``keeps_logits``): the
-    divisor of the chunk planner's budget."""
-    return 1 + int(keeps_logits) + int(want_grads and transform.softcap is not None)
+@dataclasses.dataclass(frozen=True)
+class Companion:
+    """A second head over the same rows, gradient-free: ``input`` ``(N, F')``,
+    ``weight`` ``(V, P, F')``, ``bias`` ``(V, P)`` or ``None``, its own logits
+    ``transform`` and the ``gemm`` backend of its dtype."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    transform: LogitTransform
+    gemm: Gemm
+
+
+def tiles_for(
+    keeps_logits: bool, transform: LogitTransform, want_grads: bool, companion: bool = False
+) -> int:
+    """How many ``(B, V)`` tiles the loop holds for a head (its ``keeps_logits``, and a
+    companion's tile): the divisor of the chunk planner's budget."""
+    return (
+        1 + int(keeps_logits) + int(companion) + int(want_grads and transform.softcap is not None)
+    )
 
 
 def run_chunks(
@@ -54,9 +80,11 @@ def run_chunks(
     grad_weight: bool,
     grad_bias: bool,
     vocab: LocalVocab | None = None,
+    companion: Companion | None = None,
 ) -> Gradients:
-    """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``;
-    returns the gradients of the head's loss (its upstream gradients folded in)."""
+    """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``
+    (and a ``companion`` head over the same rows); returns the gradients of the head's
+    loss (its upstream gradients folded in)."""
     vocab = vocab or LocalVocab()
     rows, in_features = input.shape
     local_classes, positions, _ = weight.shape
@@ -78,6 +106,9 @@ def run_chunks(
         else None
     )
     stats_buf = torch.empty((chunk, 1 + head.extra_sums), dtype=acc, device=device)
+    late_buf = torch.empty((chunk, head.late_sums), dtype=acc, device=device)
+    if companion is not None:
+        other = _CompanionBuffers(companion, chunk, local_classes, acc, gathered)
 
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
@@ -101,6 +132,8 @@ def run_chunks(
             if b_p is not None:
                 u.add_(b_p)
             transform.apply_(u, None if sech2 is None else sech2[:n])
+            if companion is not None:
+                head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
 
             row_max = u.amax(dim=1)
             vocab.max_(row_max)
@@ -116,6 +149,11 @@ def run_chunks(
             # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
             lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
             row_stats = RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
+            if head.late_sums:
+                late = late_buf[:n]
+                head.sums_after_stats(u, e, row_stats, late)
+                vocab.sum_(late)
+                row_stats.late = late
             head.rows_done(chunk_rows, p, row_stats)
             if not want_grads:
                 continue
@@ -143,3 +181,41 @@ def run_chunks(
         weight=None if grad_w is None else grad_w.finish(),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
+
+
+class _CompanionBuffers:
+    """The companion's logits tile (and gathered-rows buffer), reused by every chunk."""
+
+    def __init__(
+        self, companion: Companion, chunk: int, classes: int, acc: torch.dtype, gathered: bool
+    ) -> None:
+        self.companion = companion
+        device = companion.input.device
+        self.tile = companion.gemm.logits_buffer(chunk, classes, acc, device)
+        features = companion.input.shape[1]
+        self.rows_buf = (
+            torch.empty((chunk, features), dtype=companion.input.dtype, device=device)
+            if gathered
+            else None
+        )
+        self.position = -1
+
+    def logits(self, rows, p: int, n: int, vocab: LocalVocab) -> torch.Tensor:
+        """The companion's transformed logits of ``rows`` at ``p`` minus their row max."""
+        c = self.companion
+        if p != self.position:
+            self.w_op = c.gemm.weight_operand(c.weight[:, p, :])
+            self.b_p = None if c.bias is None else c.bias[:, p].to(self.tile.dtype)
+            self.position = p
+        if isinstance(rows, slice):
+            x_rows = c.input[rows]
+        else:
+            x_rows = torch.index_select(c.input, 0, rows, out=self.rows_buf[:n])
+        t = self.tile[:n]
+        c.gemm.logits(t, c.gemm.operand(x_rows), self.w_op)
+        if self.b_p is not None:
+            t.add_(self.b_p)
+        c.transform.apply_(t, None)
+        row_max = t.amax(dim=1)
+        vocab.max_(row_max)
+        return t.sub_(row_max[:, None])

@@ -10,13 +10,19 @@ Per chunk it calls, in this order:
    :math:`e = e^{u}` together (only when ``keeps_logits``; ``u`` may be
    overwritten from here on).
 3. the loop sums ``out`` over vocabulary shards (one collective with
-   :math:`\sum_j e_j`), then ``rows_done(rows, p, stats)`` writes the
-   per-row outputs.
+   :math:`\sum_j e_j`); a head with ``late_sums`` then forms
+   ``sums_after_stats(u, e, stats, out)`` (row sums that need the combined
+   statistics), summed over shards in a second collective and passed as
+   ``stats.late``; then ``rows_done(rows, p, stats)`` writes the per-row
+   outputs.
 4. only when gradients are wanted: ``grad_tile(u, e, rows, p, stats, factor)``
    turns one of the two tiles into :math:`\partial L / \partial s` times
    ``factor`` (the constant of the logits transform) and returns it.
 
-A head never issues a GEMM, never allocates anything that grows with
+A head run with a companion projection (a teacher's head,
+:class:`linear_ce.chunked.Companion`) also gets ``companion_tile(t, rows, p)``
+first: the companion's transformed logits minus their row max, a tile it may
+overwrite. A head never issues a GEMM, never allocates anything that grows with
 ``N·V``, and never knows the device or the vocabulary sharding beyond its
 slice ``[vocab_start, vocab_start + local_classes)``.
 """
@@ -45,6 +51,7 @@ class RowStats:
     log_sum_exp: torch.Tensor
     lse: torch.Tensor
     sums: torch.Tensor
+    late: torch.Tensor | None = None
 
 
 class Head(Protocol):
@@ -54,12 +61,19 @@ class Head(Protocol):
     extra_sums: int
     #: Whether :math:`u` must survive the exponential (a second ``(B, V)`` tile).
     keeps_logits: bool
+    #: Number of row sums formed after the first combination (``sums_after_stats``).
+    late_sums: int
 
     def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         """Row sums read from :math:`u`, into ``out``."""
 
     def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
         """Row sums read from :math:`u` and :math:`e` together, into ``out``."""
+
+    def sums_after_stats(
+        self, u: torch.Tensor, e: torch.Tensor, stats: RowStats, out: torch.Tensor
+    ) -> None:
+        """Row sums that need the combined statistics, into ``out`` (only with ``late_sums``)."""
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         """Write the per-row outputs of ``rows`` at position ``p``."""

@@ -32,6 +32,7 @@ class CrossEntropyHead:
 
     extra_sums = 1
     keeps_logits = False
+    late_sums = 0
 
     def __init__(self, call: Call, terms: RowTerms, vocab_start: int, local_classes: int) -> None:
         self.call, self.terms = call, terms

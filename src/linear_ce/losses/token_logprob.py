@@ -44,6 +44,8 @@ class TokenLogprobHead:
     outputs are computed at all.
     """
 
+    late_sums = 0
+
     def __init__(
         self,
         target: torch.Tensor,

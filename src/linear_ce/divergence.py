@@ -1,0 +1,241 @@
+"""The public function ``linear_divergence``: logit distillation between two LM heads."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from linear_ce.arguments import Call, check_softcap, check_token_call
+from linear_ce.ops_divergence import divergence
+from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.plan import acc_dtype_for
+from linear_ce.transform import LogitTransform, check_scales
+
+__all__ = ["linear_divergence"]
+
+_NAME = "linear_divergence"
+
+
+def _fail(message: str):
+    raise ValueError(f"{_NAME}: {message}")
+
+
+def _check_real(name: str, value: object, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        _fail(f"{name} must be a float in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def check_teacher(
+    call: Call,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    batch: tuple[int, ...],
+    name: str = _NAME,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The teacher's tensors, checked against the student's ``call`` and reshaped to rows:
+    ``(N, F_t)``, ``(V, 1, F_t)``, ``(V, 1)``; detached (the teacher gets no gradient)."""
+
+    def fail(message: str):
+        raise ValueError(f"{name}: {message}")
+
+    for label, value in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
+        if not isinstance(value, torch.Tensor):
+            fail(f"{label} must be a Tensor, got {type(value).__name__}")
+    if teacher_bias is not None and not isinstance(teacher_bias, torch.Tensor):
+        fail(f"teacher_bias must be a Tensor or None, got {type(teacher_bias).__name__}")
+    if teacher_weight.dim() != 2:
+        fail(
+            f"teacher_weight must have shape (V, teacher_features), got {tuple(teacher_weight.shape)}"
+        )
+    classes, features = teacher_weight.shape
+    student_classes = call.weight_shape[0]
+    if classes != student_classes:
+        fail(
+            f"student and teacher must share the vocabulary: linear_weight has {student_classes} "
+            f"classes, teacher_weight {classes}"
+        )
+    if tuple(teacher_input.shape) != (*batch, features):
+        fail(
+            f"teacher_input must have shape {(*batch, features)} (the student input's batch "
+            f"shape, then teacher_weight's {features} features), got {tuple(teacher_input.shape)}"
+        )
+    if not teacher_input.is_floating_point() or teacher_input.dtype != teacher_weight.dtype:
+        fail(
+            f"teacher_input and teacher_weight must be floating tensors of one dtype, got "
+            f"{teacher_input.dtype} and {teacher_weight.dtype}"
+        )
+    if teacher_bias is not None:
+        if tuple(teacher_bias.shape) != (classes,):
+            fail(f"teacher_bias must have shape ({classes},), got {tuple(teacher_bias.shape)}")
+        if teacher_bias.dtype != teacher_weight.dtype:
+            fail(
+                f"teacher_bias dtype {teacher_bias.dtype} differs from teacher_weight's "
+                f"{teacher_weight.dtype}"
+            )
+    device = call.input.device
+    for label, value in (
+        ("teacher_input", teacher_input),
+        ("teacher_weight", teacher_weight),
+        ("teacher_bias", teacher_bias),
+    ):
+        if value is not None and value.device != device:
+            fail(f"{label} is on {value.device}, the student's input on {device}")
+    student_acc = acc_dtype_for(call.input.dtype, None)
+    teacher_acc = acc_dtype_for(teacher_input.dtype, None)
+    if student_acc != teacher_acc:
+        fail(
+            f"the teacher's dtype {teacher_input.dtype} computes in {teacher_acc}, the "
+            f"student's {call.input.dtype} in {student_acc}; cast the teacher to the student's dtype"
+        )
+    rows = call.input.shape[0]
+    return (
+        teacher_input.detach().reshape(rows, features),
+        teacher_weight.detach().reshape(classes, 1, features),
+        None if teacher_bias is None else teacher_bias.detach().reshape(classes, 1),
+    )
+
+
+def linear_divergence(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+) -> torch.Tensor:
+    r"""Distillation loss between a student's and a teacher's next-token distributions,
+    computed from both heads' hidden states without either ``(N, V)`` logits tensor.
+
+    Per token, with each head's logits :math:`z = \mathrm{softcap}\big((x W^\top + b)\,\sigma\big)`
+    (its own logit scale :math:`\sigma` and softcap), :math:`p_s = \mathrm{softmax}(z_s / T)`
+    and :math:`p_t = \mathrm{softmax}(z_t / T)`:
+
+    .. math::
+        D = \begin{cases}
+            \mathrm{KL}(p_t \,\|\, p_s) & \beta = 0 \text{ (forward KL)}\\
+            \mathrm{KL}(p_s \,\|\, p_t) & \beta = 1 \text{ (reverse KL)}\\
+            \beta\,\mathrm{KL}(p_t \,\|\, m) + (1 - \beta)\,\mathrm{KL}(p_s \,\|\, m),\;
+            m = \beta p_t + (1 - \beta) p_s & 0 < \beta < 1 \text{ (generalised JSD)}
+        \end{cases}
+
+    plus ``hard_weight`` times the student's cross-entropy against ``target`` at
+    temperature 1 (:math:`-\log \mathrm{softmax}(z_s)_{t}`). The loss is not multiplied
+    by :math:`T^2`; scale it yourself where your recipe does. Gradients flow to
+    ``student_input``, ``student_weight`` and ``student_bias`` only: the teacher's
+    tensors are constants (detached).
+
+    Args:
+        student_input: ``(*, F_s)`` hidden states of the student.
+        student_weight: ``(V, F_s)`` the student's head.
+        teacher_input: ``(*, F_t)`` hidden states of the teacher, same leading shape;
+            ``F_t`` may differ from ``F_s``.
+        teacher_weight: ``(V, F_t)`` the teacher's head (same vocabulary ``V``).
+        target: ``(*)`` token ids, or ``None``. Positions equal to ``ignore_index`` carry
+            no loss and cost no GEMM; with ``hard_weight > 0`` the ids are the hard
+            labels. ``None``: every position counts.
+        student_bias, teacher_bias: ``(V,)`` or ``None``.
+        beta: in ``[0, 1]``, which divergence (above).
+        temperature: ``T > 0``, shared by both distributions.
+        student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each
+            head's logits transform (softcap ``None``: none).
+        ignore_index, shift: as in :func:`linear_ce.linear_cross_entropy` (``shift``
+            moves the target left along the sequence dimension).
+        reduction: ``"mean"`` over the positions that count, ``"sum"``, or ``"none"``
+            (the target's shape, zero where ignored).
+        hard_weight: ``>= 0``; ``> 0`` needs a ``target``.
+        options: :class:`linear_ce.LinearCrossEntropyOptions` (chunking, accumulation).
+
+    Returns:
+        The loss in the accumulation dtype (float32 for float16/bfloat16 students).
+
+    Memory: one ``(chunk, V)`` logits tile per head (and one more for the mixture of
+    ``0 < beta < 1``); "mean"/"sum" compute the gradients in forward (four GEMMs per
+    training step), "none" recomputes them in backward.
+
+    Example::
+
+        >>> with torch.no_grad():
+        ...     teacher_hidden = teacher.model(ids).last_hidden_state
+        >>> hidden = student.model(ids).last_hidden_state
+        >>> loss = linear_ce.linear_divergence(
+        ...     hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight,
+        ...     labels, shift=True, beta=0.5, temperature=0.9,
+        ... )
+        >>> loss.backward()
+    """
+    if not isinstance(student_input, torch.Tensor):
+        _fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
+    beta = _check_real("beta", beta, 0.0, 1.0)
+    hard_weight = _check_real("hard_weight", hard_weight, 0.0, math.inf)
+    if math.isinf(hard_weight):
+        _fail("hard_weight must be finite")
+    if reduction not in ("mean", "sum", "none"):
+        _fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if hard_weight > 0.0 and target is None:
+        _fail("hard_weight > 0 needs target (the hard labels)")
+    check_softcap(teacher_softcap)
+    check_scales(_NAME, teacher_logit_scale, temperature)
+    batch = tuple(student_input.shape[:-1])
+    if target is None:
+        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
+    call = check_token_call(
+        _NAME,
+        student_input,
+        student_weight,
+        target,
+        linear_bias=student_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=student_logit_scale,
+        softcap=student_softcap,
+        flags={},
+    )
+    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch)
+    options = resolve_options(options, _NAME)
+    teacher_transform = LogitTransform(
+        float(teacher_logit_scale),
+        None if teacher_softcap is None else float(teacher_softcap),
+        float(temperature),
+    )
+    grad_on = torch.is_grad_enabled()
+    loss, _entropy, *_grads = divergence(
+        call.input,
+        call.linear_weight,
+        call.linear_bias,
+        *teacher,
+        call.target,
+        None,
+        call.ignore_index,
+        beta,
+        hard_weight,
+        call.transform.as_list(),
+        teacher_transform.as_list(),
+        reduction,
+        False,
+        options.batch_chunk_size,
+        options.chunking_method,
+        options.acc_policy,
+        options.acc_dtype,
+        options.allow_retain_graph,
+        grad_on and call.input.requires_grad,
+        grad_on and call.linear_weight.requires_grad,
+        grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+    )
+    return loss if reduction != "none" else loss.view(call.loss_shape)

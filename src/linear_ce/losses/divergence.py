@@ -1,0 +1,265 @@
+r"""The distillation head: a divergence between the student's and a teacher's softmax.
+
+The loop hands over the student's :math:`u = s - m_s` (its own tile) and the
+teacher's :math:`v = t - m_t` (the companion tile), both after their logits
+transforms. With :math:`Z_s = \sum_j e^{u_j}`, :math:`Z_t = \sum_j e^{v_j}`,
+:math:`p = e^{u}/Z_s`, :math:`q = e^{v}/Z_t` and
+:math:`d = \log p - \log q = u - v - \log Z_s + \log Z_t`, per row:
+
+.. math::
+
+    \beta = 0:&\quad \mathrm{KL}(q\,\|\,p) = \tfrac{1}{Z_t}\textstyle\sum_j e^{v_j}(v_j - u_j)
+        - \log Z_t + \log Z_s, &\quad \partial/\partial s = p - q,
+
+    \beta = 1:&\quad \mathrm{KL}(p\,\|\,q) = \mu - \log Z_s + \log Z_t,\
+        \mu = \textstyle\sum_j p_j (u_j - v_j), &\quad \partial/\partial s = p \odot (u - v - \mu),
+
+    0<\beta<1:&\quad \beta\,\mathrm{KL}(q\,\|\,r) + (1-\beta)\,\mathrm{KL}(p\,\|\,r),\
+        r = \beta q + (1-\beta) p, &\quad \partial/\partial s = (1-\beta)\,p \odot (g - B),
+
+with :math:`g = \log p - \log r` and :math:`B = \sum_j p_j g_j` (the mixture
+needs :math:`Z_s, Z_t` first: its sums are the loop's late sums). The
+differences :math:`u - v - \mu` and :math:`g - B` are formed before the
+product with :math:`p`, so the gradient does not cancel where they are small.
+
+``hard_weight`` :math:`h` adds :math:`h` times the student's cross-entropy
+against the target at temperature 1: with the student's temperature
+:math:`T`, :math:`\log Z_1 - T u_t` where :math:`Z_1 = \sum_j e^{T u_j}`
+(:math:`= Z_s` when :math:`T = 1`), and :math:`hT(e^{Tu}/Z_1 - [j = t])` to
+the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from linear_ce.losses.base import RowStats
+from linear_ce.row_chunks import RowChunk
+
+__all__ = ["DivergenceHead"]
+
+#: Vocabulary columns per step of the blocked passes (a few small scratch blocks).
+_BLOCK = 2048
+
+
+def _spans(columns: int) -> list[slice]:
+    """Consecutive ``_BLOCK``-column slices of ``range(columns)``."""
+    return [slice(start, min(start + _BLOCK, columns)) for start in range(0, columns, _BLOCK)]
+
+
+class DivergenceHead:
+    """Writes ``loss`` ``(N, P)`` (the divergence plus ``hard_weight`` × cross-entropy,
+    zero on ignored rows) and, with ``entropy``, the student's entropy ``(N, P)``.
+
+    ``row_weight`` ``(N, P)`` is the upstream gradient of each row's loss (``None``:
+    no gradient is formed).
+    """
+
+    def __init__(
+        self,
+        target: torch.Tensor,
+        valid: torch.Tensor,
+        vocab_start: int,
+        local_classes: int,
+        acc_dtype: torch.dtype,
+        *,
+        beta: float,
+        hard_weight: float,
+        temperature: float,
+        entropy: bool,
+        row_weight: torch.Tensor | None = None,
+    ) -> None:
+        self.target, self.valid = target, valid
+        self.start, self.local = vocab_start, local_classes
+        self.beta, self.hard, self.temperature = beta, hard_weight, temperature
+        self.mode = "forward" if beta == 0.0 else "reverse" if beta == 1.0 else "mixed"
+        self.hard_on = hard_weight > 0.0
+        # The hard term at temperature 1 needs its own normaliser unless T = 1.
+        self.own_z1 = self.hard_on and temperature != 1.0
+        self.entropy_on = entropy
+        self.row_weight = row_weight
+        self.keeps_logits = self.mode == "mixed" or entropy
+        self.late_sums = 2 if self.mode == "mixed" else 0
+        names = ["z_t"]
+        if self.mode != "mixed":
+            names.append("cross")
+        if self.hard_on:
+            names.append("picked")
+        if self.own_z1:
+            names.append("z_1")
+        if entropy:
+            names.append("eu")
+        self.index = {name: i for i, name in enumerate(names)}
+        self.extra_sums = len(names)
+        device = target.device
+        self.loss = torch.zeros(valid.shape, dtype=acc_dtype, device=device)
+        self.entropy = torch.zeros(valid.shape, dtype=acc_dtype, device=device) if entropy else None
+        self._scratch: torch.Tensor | None = None
+
+    def _scratch_blocks(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """``count`` ``(B, _BLOCK)`` scratch blocks in ``like``'s layout."""
+        rows = like.shape[0]
+        have = self._scratch
+        if have is None or have.shape[1] < rows or have.shape[0] < count:
+            # In the tile's own layout (class-major on CPU): a row-major scratch written
+            # from class-major operands runs several times slower.
+            if like.stride(0) == 1:
+                have = torch.empty(
+                    (count, _BLOCK, rows), dtype=like.dtype, device=like.device
+                ).transpose(1, 2)
+            else:
+                have = torch.empty((count, rows, _BLOCK), dtype=like.dtype, device=like.device)
+            self._scratch = have
+        return [have[i, :rows] for i in range(count)]
+
+    def companion_tile(self, t: torch.Tensor, rows: RowChunk, p: int) -> None:
+        self.t = t
+
+    def _sum(self, out: torch.Tensor, name: str) -> torch.Tensor:
+        return out[:, self.index[name]]
+
+    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+        t = self.t
+        out.zero_()
+        z_t = self._sum(out, "z_t")
+        (a,) = self._scratch_blocks(u, 1)
+        for span in _spans(u.shape[1]):
+            part = a[:, : span.stop - span.start]
+            t_blk, u_blk = t[:, span], u[:, span]
+            if self.mode == "forward":
+                # t ← e^v; Σ e^v (v − u).
+                torch.sub(t_blk, u_blk, out=part)
+                t_blk.exp_()
+                z_t.add_(t_blk.sum(1))
+                self._sum(out, "cross").add_(part.mul_(t_blk).sum(1))
+            else:
+                z_t.add_(torch.exp(t_blk, out=part).sum(1))
+                if self.mode == "reverse":
+                    # t ← u − v: the teacher's logits are not needed past their Z.
+                    torch.sub(u_blk, t_blk, out=t_blk)
+        if self.hard_on:
+            local_t = self.target[rows, p] - self.start
+            self.owned = (local_t >= 0) & (local_t < self.local)
+            self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
+            torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned, out=self._sum(out, "picked"))
+
+    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+        if not (self.mode == "reverse" or self.own_z1 or self.entropy_on):
+            return
+        (a,) = self._scratch_blocks(u, 1)
+        for span in _spans(u.shape[1]):
+            part = a[:, : span.stop - span.start]
+            e_blk = e[:, span]
+            if self.mode == "reverse":
+                self._sum(out, "cross").add_(torch.mul(e_blk, self.t[:, span], out=part).sum(1))
+            if self.own_z1:
+                self._sum(out, "z_1").add_(torch.pow(e_blk, self.temperature, out=part).sum(1))
+            if self.entropy_on:
+                self._sum(out, "eu").add_(torch.mul(e_blk, u[:, span], out=part).sum(1))
+
+    def sums_after_stats(
+        self, u: torch.Tensor, e: torch.Tensor, stats: RowStats, out: torch.Tensor
+    ) -> None:
+        # u ← log p − log r and t ← log q − log r; out = (Σ q (log q − log r), Σ e^u (log p − log r)).
+        t, beta = self.t, self.beta
+        log_zs = stats.log_sum_exp[:, None]
+        log_zt = self._sum(stats.sums, "z_t").log()[:, None]
+        log_beta, log_rest = math.log(beta), math.log1p(-beta)
+        out.zero_()
+        a, b, c = self._scratch_blocks(u, 3)
+        for span in _spans(u.shape[1]):
+            width = span.stop - span.start
+            pa, pb, pc = a[:, :width], b[:, :width], c[:, :width]
+            t_blk, u_blk = t[:, span].sub_(log_zt), u[:, span].sub_(log_zs)
+            torch.exp(t_blk, out=pc)
+            torch.add(t_blk, log_beta, out=pa)
+            torch.add(u_blk, log_rest, out=pb)
+            log_r = torch.logaddexp(pa, pb, out=pa)
+            t_blk.sub_(log_r)
+            u_blk.sub_(log_r)
+            out[:, 0].add_(pc.mul_(t_blk).sum(1))
+            out[:, 1].add_(torch.mul(e[:, span], u_blk, out=pb).sum(1))
+
+    def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
+        sums = stats.sums
+        z_s, log_zs = stats.sum_exp, stats.log_sum_exp
+        z_t = self._sum(sums, "z_t")
+        log_zt = z_t.log()
+        self.z_t = z_t
+        if self.mode == "forward":
+            divergence = self._sum(sums, "cross") / z_t - log_zt + log_zs
+        elif self.mode == "reverse":
+            self.mu = self._sum(sums, "cross") / z_s
+            divergence = self.mu - log_zs + log_zt
+        else:
+            self.mean_g = stats.late[:, 1] / z_s
+            divergence = self.beta * stats.late[:, 0] + (1.0 - self.beta) * self.mean_g
+        if self.hard_on:
+            picked = self._sum(sums, "picked")
+            if self.own_z1:
+                self.z_1 = self._sum(sums, "z_1")
+                divergence = divergence + self.hard * (self.z_1.log() - self.temperature * picked)
+            else:
+                divergence = divergence + self.hard * (log_zs - picked)
+        self.loss[rows, p] = divergence
+        if self.entropy_on:
+            self.entropy[rows, p] = log_zs - self._sum(sums, "eu") / z_s
+
+    def grad_tile(
+        self,
+        u: torch.Tensor,
+        e: torch.Tensor,
+        rows: RowChunk,
+        p: int,
+        stats: RowStats,
+        factor: float,
+    ) -> torch.Tensor:
+        w = self.row_weight[rows, p].to(stats.sum_exp.dtype) * factor
+        z_s = stats.sum_exp
+        # The hard term's softmax at temperature 1 folds into p's coefficient when T = 1.
+        soft_hard = self.hard if self.hard_on and not self.own_z1 else 0.0
+        if self.mode == "forward":
+            out = u
+            c_s = (w * (1.0 + soft_hard) / z_s)[:, None]
+            c_t = (-w / self.z_t)[:, None]
+            for span in _spans(u.shape[1]):
+                self._add_hard_softmax(out, e, span, w, first=c_s)
+                out[:, span].addcmul_(self.t[:, span], c_t)
+        else:
+            if self.mode == "reverse":
+                out = self.t.sub_(self.mu[:, None])
+                scale = w / z_s
+            else:
+                out = u.sub_(self.mean_g[:, None])
+                scale = w * (1.0 - self.beta) / z_s
+            out.mul_(e).mul_(scale[:, None])
+            if soft_hard:
+                out.addcmul_(e, (w * soft_hard / z_s)[:, None])
+            if self.own_z1:
+                for span in _spans(u.shape[1]):
+                    self._add_hard_softmax(out, e, span, w)
+        if self.hard_on:
+            onehot = -w * self.hard * (self.temperature if self.own_z1 else 1.0) * self.owned
+            out.scatter_add_(1, self.safe_t, onehot[:, None])
+        return out
+
+    def _add_hard_softmax(
+        self,
+        out: torch.Tensor,
+        e: torch.Tensor,
+        span: slice,
+        w: torch.Tensor,
+        first: torch.Tensor | None = None,
+    ) -> None:
+        """``out[:, span]`` (set to ``first · e`` first, when given) plus the hard term's
+        ``h T e^{Tu} / Z_1`` where ``Z_1`` is the student's own normaliser at temperature 1."""
+        (a,) = self._scratch_blocks(out, 1)
+        part = a[:, : span.stop - span.start]
+        if self.own_z1:
+            torch.pow(e[:, span], self.temperature, out=part)
+        if first is not None:
+            torch.mul(e[:, span], first, out=out[:, span])
+        if self.own_z1:
+            out[:, span].addcmul_(part, (w * self.hard * self.temperature / self.z_1)[:, None])
