@@ -32,7 +32,14 @@ from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["divergence", "run_divergence"]
+__all__ = ["DIVERGENCE_SHARE", "divergence", "run_divergence"]
+
+#: The share of the student's gradient bytes the two (or three) logits tiles may take:
+#: with the gradients themselves and the blocked scratch the call stays within 1.5× of
+#: them. At D=1024, V=32768 (fp32) that is 256-row chunks, which run the four GEMMs at
+#: 1.08× their floor where 128-row chunks (the cross-entropy share) run at 1.31×: the
+#: weight-gradient GEMM of a short chunk is bound by reading and writing ``grad_W``.
+DIVERGENCE_SHARE = 0.48
 
 
 def run_divergence(
@@ -86,6 +93,7 @@ def run_divergence(
         teacher_input.device,
         options,
         tiles=tiles,
+        share=DIVERGENCE_SHARE,
     )
     companion = Companion(
         teacher_input, teacher_weight, teacher_bias, teacher_transform, teacher_plan.gemm

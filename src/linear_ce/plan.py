@@ -73,11 +73,13 @@ def choose_chunk_rows(
     input_dtype: torch.dtype,
     acc_dtype: torch.dtype,
     tiles: int = 1,
+    share: float = BUDGET_SHARE,
 ) -> int:
     """Rows per chunk, by the documented rule of ``options.chunking_method``.
 
     ``"budget[:N]"`` (what ``"auto"`` means): the ``tiles`` ``(chunk, V)`` scratch
-    buffers of the chunk loop (:func:`linear_ce.chunked.tiles_for`) may take ``BUDGET_SHARE / N`` of the gradients' bytes
+    buffers of the chunk loop (:func:`linear_ce.chunked.tiles_for`) may take ``share / N``
+    (default ``BUDGET_SHARE``) of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
     than ``rows``.
@@ -96,7 +98,7 @@ def choose_chunk_rows(
         return max(1, min((1 << (target - 1).bit_length()) // divisor, rows))
     grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
     row_bytes = num_classes * acc_dtype.itemsize * tiles
-    budget_rows = int(BUDGET_SHARE * grad_bytes / divisor) // max(row_bytes, 1)
+    budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
     if budget_rows >= ROW_MULTIPLE:
         budget_rows -= budget_rows % ROW_MULTIPLE
     return max(1, min(rows, max(budget_rows, MIN_EFFICIENT_ROWS // divisor)))
@@ -124,6 +126,7 @@ def make_plan(
     device: torch.device,
     options: LinearCrossEntropyOptions,
     tiles: int = 1,
+    share: float = BUDGET_SHARE,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -167,7 +170,7 @@ def make_plan(
         weight_grad = "wide"
     return Plan(
         rows_per_chunk=choose_chunk_rows(
-            rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles
+            rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles, share
         ),
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,

@@ -1,0 +1,332 @@
+"""Issue 15: ``linear_divergence`` against the plain expression on both full logits.
+
+Reference, written here: each head's ``z = softcap((x Wᵀ + b)·σ)``, ``log_softmax(z / T)``
+for student and teacher, the divergence summed over the vocabulary (the mixture's
+log through ``logsumexp``), plus ``hard_weight`` × ``cross_entropy(z_s, t)``; gradients
+by autograd with random upstream gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import linear_ce
+from conftest import eps, rel_err
+from linear_ce import LinearCrossEntropyOptions
+from linear_ce.ops_divergence import divergence
+from memory_probe import transient_peaks
+
+B, T, FS, FT, V = 2, 11, 8, 12, 37
+
+
+def plain_divergence(
+    xs, ws, xt, wt, target, *, bs=None, bt=None, beta=0.0, temperature=1.0, scale_s=1.0,
+    scale_t=1.0, cap_s=None, cap_t=None, hard_weight=0.0, reduction="mean", shift=0,
+):
+    """The whole computation on full ``(…, V)`` logits, in the inputs' dtype."""
+
+    def logits(x, w, b, scale, cap):
+        z = x @ w.T
+        if b is not None:
+            z = z + b
+        z = z * scale
+        return cap * torch.tanh(z / cap) if cap is not None else z
+
+    if shift:
+        xs, xt = xs[:, : T - shift], xt[:, : T - shift]
+        target = target[:, shift:]
+    zs = logits(xs, ws, bs, scale_s, cap_s)
+    zt = logits(xt, wt, bt, scale_t, cap_t)
+    ls = torch.log_softmax(zs / temperature, -1)
+    lt = torch.log_softmax(zt / temperature, -1)
+    if beta == 0.0:
+        d = (lt.exp() * (lt - ls)).sum(-1)
+    elif beta == 1.0:
+        d = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), 0)
+        d = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    valid = target != -100
+    if hard_weight:
+        ce = torch.nn.functional.cross_entropy(
+            zs.flatten(0, -2), target.flatten().clamp(min=0), reduction="none"
+        )
+        d = d + hard_weight * ce.view(d.shape)
+    d = torch.where(valid, d, 0.0)
+    if reduction == "mean":
+        return d.sum() / valid.sum()
+    if reduction == "sum":
+        return d.sum()
+    return torch.nn.functional.pad(d, (0, shift)) if shift else d
+
+
+def _inputs(seed, dtype=torch.float64, pattern="random", bias=True, n=B, length=T, fs=FS, ft=FT,
+            v=V):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(n, length, fs, generator=g, dtype=torch.float64)
+    ws = torch.randn(v, fs, generator=g, dtype=torch.float64) * 2 / fs**0.5
+    xt = torch.randn(n, length, ft, generator=g, dtype=torch.float64)
+    wt = torch.randn(v, ft, generator=g, dtype=torch.float64) * 2 / ft**0.5
+    bs = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    bt = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n, length), generator=g)
+    if pattern == "random":
+        t[torch.rand(n, length, generator=g) < 0.4] = -100
+    elif pattern == "runs":
+        t[0, 2:7] = -100
+    elif pattern == "all":
+        t[:] = -100
+
+    def cast(x):
+        return None if x is None else x.to(dtype)
+
+    return [cast(a) for a in (xs, ws, xt, wt, bs, bt)] + [t]
+
+
+def _check(dtype, *, seed=0, pattern="random", beta=0.0, temperature=1.0, scale_s=1.0,
+           scale_t=1.0, cap_s=None, cap_t=None, hard_weight=0.0, reduction="mean", shift=0,
+           bias=True, chunk=4, **shape):
+    xs, ws, xt, wt, bs, bt, t = _inputs(seed, dtype, pattern, bias, **shape)
+    kw = dict(beta=beta, temperature=temperature, hard_weight=hard_weight, reduction=reduction)
+    leaves = [a.requires_grad_() for a in (xs, ws, bs) if a is not None]
+    got = linear_ce.linear_divergence(
+        xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt, student_logit_scale=scale_s,
+        teacher_logit_scale=scale_t, student_softcap=cap_s, teacher_softcap=cap_t, shift=shift,
+        options=LinearCrossEntropyOptions(batch_chunk_size=chunk), **kw,
+    )
+    ref_args = dict(bs=bs, bt=bt, scale_s=scale_s, scale_t=scale_t, cap_s=cap_s, cap_t=cap_t,
+                    shift=shift, **kw)
+    wide = [None if a is None else a.detach().double().requires_grad_() for a in (xs, ws, bs)]
+    ref = plain_divergence(wide[0], wide[1], xt.double(), wt.double(), t,
+                           **{**ref_args, "bs": wide[2], "bt": None if bt is None else bt.double()})
+    narrow = [None if a is None else a.detach().requires_grad_() for a in (xs, ws, bs)]
+    same = plain_divergence(narrow[0], narrow[1], xt, wt, t, **{**ref_args, "bs": narrow[2]})
+    up = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    wide_leaves = [a for a in wide if a is not None]
+    if ref.requires_grad:
+        ref_grads = torch.autograd.grad((ref * up).sum(), wide_leaves)
+        got_grads = torch.autograd.grad((got * up.to(got.dtype)).sum(), leaves)
+        same_grads = torch.autograd.grad(
+            (same * up.to(same.dtype)).sum(), [a for a in narrow if a is not None]
+        )
+    else:
+        ref_grads = got_grads = same_grads = ()
+    # A float64 call meets a float64 reference with rounding errors of its own (a few eps
+    # over the vocabulary sums): there the bound is 16 eps; elsewhere the house's 3 eps.
+    bound = (16 if dtype == torch.float64 else 3) * eps(dtype)
+    assert got.shape == ref.shape
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(got, ref) <= max(bound, 2 * rel_err(same, ref)), rel_err(got, ref)
+    for name, g, r, p in zip(("input", "weight", "bias"), got_grads, ref_grads, same_grads,
+                             strict=False):
+        assert g.dtype == dtype
+        assert rel_err(g, r) <= max(bound, 2 * rel_err(p, r)), (name, rel_err(g, r))
+    return got, ref
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("hard_weight", [0.0, 0.7])
+def test_matches_plain_float32(beta, reduction, hard_weight):
+    _check(torch.float32, beta=beta, reduction=reduction, hard_weight=hard_weight)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize(
+    "transform",
+    [
+        dict(temperature=0.7),
+        dict(temperature=2.0, hard_weight=0.5),
+        dict(scale_s=1.5, cap_s=4.0, cap_t=3.0, hard_weight=0.3, temperature=1.3),
+        dict(scale_t=0.5, cap_t=2.0),
+    ],
+)
+def test_transforms_float64(beta, transform):
+    _check(torch.float64, beta=beta, **transform)
+
+
+@pytest.mark.parametrize("pattern", ["none", "runs", "random", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ignore_patterns_and_shift(pattern, reduction):
+    if pattern == "all" and reduction == "mean":
+        xs, ws, xt, wt, _, _, t = _inputs(0, torch.float32, "all")
+        xs.requires_grad_()
+        loss = linear_ce.linear_divergence(xs, ws, xt, wt, t)
+        assert loss.isnan()  # 0 / 0, as torch's cross_entropy with every target ignored
+        loss.backward()
+        assert bool((xs.grad == 0).all())
+        return
+    _check(torch.float32, pattern=pattern, reduction=reduction, shift=1, beta=0.5)
+
+
+@given(
+    beta=st.sampled_from([0.0, 1.0, 0.1, 0.5, 0.9]),
+    temperature=st.floats(0.5, 2.0),
+    hard_weight=st.sampled_from([0.0, 0.25, 1.0]),
+    bias=st.booleans(),
+    chunk=st.integers(1, 30),
+    seed=st.integers(0, 2**16),
+    cap_s=st.sampled_from([None, 3.0]),
+)
+def test_property_float64(beta, temperature, hard_weight, bias, chunk, seed, cap_s):
+    _check(torch.float64, seed=seed, beta=beta, temperature=temperature,
+           hard_weight=hard_weight, bias=bias, chunk=chunk, cap_s=cap_s)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_many_chunks_float32(beta):
+    """Hundreds of chunks: the error must not grow with their number."""
+    _check(torch.float32, beta=beta, n=4, length=1000, fs=8, ft=6, v=64, chunk=16,
+           hard_weight=0.5, pattern="random")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_half_within_twice_plain_error(dtype, beta):
+    xs, ws, xt, wt, bs, bt, t = _inputs(3, dtype, bias=False, v=301, fs=32, ft=24)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    got = linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=beta, reduction="none")
+    up = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got_grads = torch.autograd.grad((got * up.float()).sum(), (xs, ws))
+    wide = [a.detach().double().requires_grad_() for a in (xs, ws)]
+    ref = plain_divergence(*wide[:1], wide[1], xt.double(), wt.double(), t, beta=beta,
+                           reduction="none")
+    ref_grads = torch.autograd.grad((ref * up).sum(), wide)
+    narrow = [a.detach().requires_grad_() for a in (xs, ws)]
+    same = plain_divergence(narrow[0], narrow[1], xt, wt, t, beta=beta, reduction="none")
+    same_grads = torch.autograd.grad((same * up.to(dtype)).sum(), narrow)
+    assert rel_err(got, ref) <= max(3 * eps(dtype), 2 * rel_err(same, ref))
+    for g, r, s in zip(got_grads, ref_grads, same_grads, strict=True):
+        assert g.dtype == dtype
+        assert rel_err(g, r) <= max(3 * eps(dtype), 2 * rel_err(s, r))
+
+
+def test_teacher_gets_no_gradient_and_hidden_sizes_differ():
+    xs, ws, xt, wt, bs, bt, t = _inputs(5, torch.float32)
+    for a in (xs, ws, xt, wt, bs, bt):
+        a.requires_grad_()
+    linear_ce.linear_divergence(xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt).backward()
+    assert all(a.grad is None for a in (xt, wt, bt))
+    assert all(a.grad is not None for a in (xs, ws, bs))
+
+
+def test_target_none_counts_every_position():
+    xs, ws, xt, wt, _, _, _ = _inputs(6, torch.float64, bias=False)
+    everything = torch.zeros(B, T, dtype=torch.long)
+    got = linear_ce.linear_divergence(xs, ws, xt, wt, beta=0.3, reduction="none")
+    ref = plain_divergence(xs, ws, xt, wt, everything, beta=0.3, reduction="none")
+    assert rel_err(got, ref) <= 3 * eps(torch.float64)
+
+
+def test_student_entropy_output():
+    """The op's entropy slot (the TRL adapter's second output) is the student's entropy."""
+    xs, ws, xt, wt, _, _, t = _inputs(7, torch.float64, bias=False)
+    rows = xs.reshape(-1, FS)
+    for beta in (0.0, 0.5, 1.0):
+        out = divergence(
+            rows, ws[:, None], None, xt.reshape(-1, FT), wt[:, None], None, t.reshape(-1, 1),
+            None, -100, beta, 0.0, [1.0, 0.0, 1.5], [1.0, 0.0, 1.5], "none", True,
+            3, None, "auto", None, False, False, False, False,
+        )
+        logp = torch.log_softmax(xs @ ws.T / 1.5, -1)
+        ref = torch.where(t != -100, -(logp.exp() * logp).sum(-1), 0.0)
+        assert rel_err(out[1].view(B, T), ref) <= 3 * eps(torch.float64)
+
+
+def test_compile_and_vmap():
+    xs, ws, xt, wt, _, _, t = _inputs(8, torch.float32, bias=False)
+    xs.requires_grad_()
+
+    def step(xs, ws, xt, wt, t):
+        return linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=0.5)
+
+    eager = step(xs, ws, xt, wt, t)
+    (g_eager,) = torch.autograd.grad(eager, xs)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(xs, ws, xt, wt, t)
+    (g_compiled,) = torch.autograd.grad(compiled, xs)
+    assert rel_err(compiled, eager) <= 3 * eps(torch.float32)
+    assert rel_err(g_compiled, g_eager) <= 3 * eps(torch.float32)
+    batched = torch.func.vmap(
+        lambda a, b: linear_ce.linear_divergence(a, ws, b, wt, t[0], reduction="sum")
+    )(xs.detach(), xt)
+    each = torch.stack(
+        [linear_ce.linear_divergence(xs[i].detach(), ws, xt[i], wt, t[0], reduction="sum")
+         for i in range(B)]
+    )
+    assert rel_err(batched, each) <= 3 * eps(torch.float32)
+
+
+def _bad(**change):
+    xs, ws, xt, wt, bs, bt, t = _inputs(9, torch.float32)
+    args = dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt,
+                target=t)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(teacher_weight=torch.randn(V + 1, FT)), "share the vocabulary"),
+        (dict(teacher_input=torch.randn(B, T + 1, FT)), "teacher_input must have shape"),
+        (dict(teacher_input=torch.randn(B, T, FT, dtype=torch.float64)), "one dtype"),
+        (dict(teacher_input=torch.randn(B, T, FT).double(),
+              teacher_weight=torch.randn(V, FT).double()), "cast the teacher"),
+        (dict(beta=1.5), "beta must be a float in"),
+        (dict(beta=True), "beta must be a float in"),
+        (dict(hard_weight=-1.0), "hard_weight"),
+        (dict(hard_weight=0.5, target=None), "needs target"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(teacher_softcap=-1.0), "softcap"),
+        (dict(teacher_bias=torch.randn(V + 2)), "teacher_bias must have shape"),
+        (dict(teacher_weight=torch.randn(V, FT, 1)), "teacher_weight must have shape"),
+        (dict(teacher_input="x"), "teacher_input must be a Tensor"),
+        (dict(target=torch.full((B, T), V), hard_weight=1.0), "class index"),
+    ],
+)
+def test_bad_inputs(change, message):
+    with pytest.raises(ValueError, match=message):
+        linear_ce.linear_divergence(**_bad(**change))
+
+
+def test_transient_memory_within_student_gradients():
+    """fp32 mean forward+backward stays within 1.5× the student's gradients' bytes (at a
+    hidden size where the chunk rule, not its 128-row floor, sets the chunk)."""
+    n, d, v = 512, 1024, 8192
+    # Everything that runs torch's thread pool happens in the forked child (a pool
+    # started before a fork does not survive it); a fixed mmap threshold makes the
+    # peak count the bytes the call holds (as tests/test_memory_bounds.py).
+    preamble = (
+        "import ctypes, gc\n"
+        "import torch, linear_ce\n"
+        "ctypes.CDLL(None).mallopt(-3, 128 * 1024)\n"
+    )
+    setup = (
+        "g = torch.Generator().manual_seed(0)\n"
+        f"xs = torch.randn({n}, {d}, generator=g, requires_grad=True)\n"
+        f"ws = (torch.randn({v}, {d}, generator=g) * 0.05).requires_grad_()\n"
+        f"xt = torch.randn({n}, {d}, generator=g)\n"
+        f"wt = torch.randn({v}, {d}, generator=g) * 0.05\n"
+        f"t = torch.randint(0, {v}, ({n},), generator=g)\n"
+        "linear_ce.linear_divergence(xs, ws, xt, wt, t, beta={beta}).backward()\n"
+        "xs.grad = ws.grad = None\n"
+        "gc.collect()\n"
+        "ctypes.CDLL(None).malloc_trim(0)\n"
+    )
+    call = "linear_ce.linear_divergence(xs, ws, xt, wt, t, beta={beta}).backward()"
+    betas = (0.0, 1.0, 0.5)
+    peaks = transient_peaks(
+        preamble,
+        [(setup.format(beta=b), call.format(beta=b)) for b in betas],
+        timeout=300,
+    )
+    grad_bytes = (n + v) * d * 4
+    for beta, peak in zip(betas, peaks, strict=True):
+        assert peak <= 1.5 * grad_bytes, (beta, peak / grad_bytes)
