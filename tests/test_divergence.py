@@ -25,8 +25,23 @@ B, T, FS, FT, V = 2, 11, 8, 12, 37
 
 
 def plain_divergence(
-    xs, ws, xt, wt, target, *, bs=None, bt=None, beta=0.0, temperature=1.0, scale_s=1.0,
-    scale_t=1.0, cap_s=None, cap_t=None, hard_weight=0.0, reduction="mean", shift=0,
+    xs,
+    ws,
+    xt,
+    wt,
+    target,
+    *,
+    bs=None,
+    bt=None,
+    beta=0.0,
+    temperature=1.0,
+    scale_s=1.0,
+    scale_t=1.0,
+    cap_s=None,
+    cap_t=None,
+    hard_weight=0.0,
+    reduction="mean",
+    shift=0,
 ):
     """The whole computation on full ``(…, V)`` logits, in the inputs' dtype."""
 
@@ -65,8 +80,9 @@ def plain_divergence(
     return torch.nn.functional.pad(d, (0, shift)) if shift else d
 
 
-def _inputs(seed, dtype=torch.float64, pattern="random", bias=True, n=B, length=T, fs=FS, ft=FT,
-            v=V):
+def _inputs(
+    seed, dtype=torch.float64, pattern="random", bias=True, n=B, length=T, fs=FS, ft=FT, v=V
+):
     g = torch.Generator().manual_seed(seed)
     xs = torch.randn(n, length, fs, generator=g, dtype=torch.float64)
     ws = torch.randn(v, fs, generator=g, dtype=torch.float64) * 2 / fs**0.5
@@ -88,22 +104,55 @@ def _inputs(seed, dtype=torch.float64, pattern="random", bias=True, n=B, length=
     return [cast(a) for a in (xs, ws, xt, wt, bs, bt)] + [t]
 
 
-def _check(dtype, *, seed=0, pattern="random", beta=0.0, temperature=1.0, scale_s=1.0,
-           scale_t=1.0, cap_s=None, cap_t=None, hard_weight=0.0, reduction="mean", shift=0,
-           bias=True, chunk=4, **shape):
+def _check(
+    dtype,
+    *,
+    seed=0,
+    pattern="random",
+    beta=0.0,
+    temperature=1.0,
+    scale_s=1.0,
+    scale_t=1.0,
+    cap_s=None,
+    cap_t=None,
+    hard_weight=0.0,
+    reduction="mean",
+    shift=0,
+    bias=True,
+    chunk=4,
+    **shape,
+):
     xs, ws, xt, wt, bs, bt, t = _inputs(seed, dtype, pattern, bias, **shape)
     kw = dict(beta=beta, temperature=temperature, hard_weight=hard_weight, reduction=reduction)
     leaves = [a.requires_grad_() for a in (xs, ws, bs) if a is not None]
     got = linear_ce.linear_divergence(
-        xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt, student_logit_scale=scale_s,
-        teacher_logit_scale=scale_t, student_softcap=cap_s, teacher_softcap=cap_t, shift=shift,
-        options=LinearCrossEntropyOptions(batch_chunk_size=chunk), **kw,
+        xs,
+        ws,
+        xt,
+        wt,
+        t,
+        student_bias=bs,
+        teacher_bias=bt,
+        student_logit_scale=scale_s,
+        teacher_logit_scale=scale_t,
+        student_softcap=cap_s,
+        teacher_softcap=cap_t,
+        shift=shift,
+        options=LinearCrossEntropyOptions(batch_chunk_size=chunk),
+        **kw,
     )
-    ref_args = dict(bs=bs, bt=bt, scale_s=scale_s, scale_t=scale_t, cap_s=cap_s, cap_t=cap_t,
-                    shift=shift, **kw)
+    ref_args = dict(
+        bs=bs, bt=bt, scale_s=scale_s, scale_t=scale_t, cap_s=cap_s, cap_t=cap_t, shift=shift, **kw
+    )
     wide = [None if a is None else a.detach().double().requires_grad_() for a in (xs, ws, bs)]
-    ref = plain_divergence(wide[0], wide[1], xt.double(), wt.double(), t,
-                           **{**ref_args, "bs": wide[2], "bt": None if bt is None else bt.double()})
+    ref = plain_divergence(
+        wide[0],
+        wide[1],
+        xt.double(),
+        wt.double(),
+        t,
+        **{**ref_args, "bs": wide[2], "bt": None if bt is None else bt.double()},
+    )
     narrow = [None if a is None else a.detach().requires_grad_() for a in (xs, ws, bs)]
     same = plain_divergence(narrow[0], narrow[1], xt, wt, t, **{**ref_args, "bs": narrow[2]})
     up = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -122,8 +171,9 @@ def _check(dtype, *, seed=0, pattern="random", beta=0.0, temperature=1.0, scale_
     assert got.shape == ref.shape
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert rel_err(got, ref) <= max(bound, 2 * rel_err(same, ref)), rel_err(got, ref)
-    for name, g, r, p in zip(("input", "weight", "bias"), got_grads, ref_grads, same_grads,
-                             strict=False):
+    for name, g, r, p in zip(
+        ("input", "weight", "bias"), got_grads, ref_grads, same_grads, strict=False
+    ):
         assert g.dtype == dtype
         assert rel_err(g, r) <= max(bound, 2 * rel_err(p, r)), (name, rel_err(g, r))
     return got, ref
@@ -174,29 +224,48 @@ def test_ignore_patterns_and_shift(pattern, reduction):
     cap_s=st.sampled_from([None, 3.0]),
 )
 def test_property_float64(beta, temperature, hard_weight, bias, chunk, seed, cap_s):
-    _check(torch.float64, seed=seed, beta=beta, temperature=temperature,
-           hard_weight=hard_weight, bias=bias, chunk=chunk, cap_s=cap_s)
+    _check(
+        torch.float64,
+        seed=seed,
+        beta=beta,
+        temperature=temperature,
+        hard_weight=hard_weight,
+        bias=bias,
+        chunk=chunk,
+        cap_s=cap_s,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_many_chunks_float32(beta):
     """Hundreds of chunks: the error must not grow with their number."""
-    _check(torch.float32, beta=beta, n=4, length=1000, fs=8, ft=6, v=64, chunk=16,
-           hard_weight=0.5, pattern="random")
+    _check(
+        torch.float32,
+        beta=beta,
+        n=4,
+        length=1000,
+        fs=8,
+        ft=6,
+        v=64,
+        chunk=16,
+        hard_weight=0.5,
+        pattern="random",
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_half_within_twice_plain_error(dtype, beta):
-    xs, ws, xt, wt, bs, bt, t = _inputs(3, dtype, bias=False, v=301, fs=32, ft=24)
+    xs, ws, xt, wt, _, _, t = _inputs(3, dtype, bias=False, v=301, fs=32, ft=24)
     xs.requires_grad_()
     ws.requires_grad_()
     got = linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=beta, reduction="none")
     up = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     got_grads = torch.autograd.grad((got * up.float()).sum(), (xs, ws))
     wide = [a.detach().double().requires_grad_() for a in (xs, ws)]
-    ref = plain_divergence(*wide[:1], wide[1], xt.double(), wt.double(), t, beta=beta,
-                           reduction="none")
+    ref = plain_divergence(
+        *wide[:1], wide[1], xt.double(), wt.double(), t, beta=beta, reduction="none"
+    )
     ref_grads = torch.autograd.grad((ref * up).sum(), wide)
     narrow = [a.detach().requires_grad_() for a in (xs, ws)]
     same = plain_divergence(narrow[0], narrow[1], xt, wt, t, beta=beta, reduction="none")
@@ -230,9 +299,29 @@ def test_student_entropy_output():
     rows = xs.reshape(-1, FS)
     for beta in (0.0, 0.5, 1.0):
         out = divergence(
-            rows, ws[:, None], None, xt.reshape(-1, FT), wt[:, None], None, t.reshape(-1, 1),
-            None, -100, beta, 0.0, [1.0, 0.0, 1.5], [1.0, 0.0, 1.5], "none", True,
-            3, None, "auto", None, False, False, False, False,
+            rows,
+            ws[:, None],
+            None,
+            xt.reshape(-1, FT),
+            wt[:, None],
+            None,
+            t.reshape(-1, 1),
+            None,
+            -100,
+            beta,
+            0.0,
+            [1.0, 0.0, 1.5],
+            [1.0, 0.0, 1.5],
+            "none",
+            True,
+            3,
+            None,
+            "auto",
+            None,
+            False,
+            False,
+            False,
+            False,
         )
         logp = torch.log_softmax(xs @ ws.T / 1.5, -1)
         ref = torch.where(t != -100, -(logp.exp() * logp).sum(-1), 0.0)
@@ -256,16 +345,17 @@ def test_compile_and_vmap():
         lambda a, b: linear_ce.linear_divergence(a, ws, b, wt, t[0], reduction="sum")
     )(xs.detach(), xt)
     each = torch.stack(
-        [linear_ce.linear_divergence(xs[i].detach(), ws, xt[i], wt, t[0], reduction="sum")
-         for i in range(B)]
+        [
+            linear_ce.linear_divergence(xs[i].detach(), ws, xt[i], wt, t[0], reduction="sum")
+            for i in range(B)
+        ]
     )
     assert rel_err(batched, each) <= 3 * eps(torch.float32)
 
 
 def _bad(**change):
-    xs, ws, xt, wt, bs, bt, t = _inputs(9, torch.float32)
-    args = dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt,
-                target=t)
+    xs, ws, xt, wt, _, _, t = _inputs(9, torch.float32)
+    args = dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt, target=t)
     args.update(change)
     return args
 
@@ -276,8 +366,13 @@ def _bad(**change):
         (dict(teacher_weight=torch.randn(V + 1, FT)), "share the vocabulary"),
         (dict(teacher_input=torch.randn(B, T + 1, FT)), "teacher_input must have shape"),
         (dict(teacher_input=torch.randn(B, T, FT, dtype=torch.float64)), "one dtype"),
-        (dict(teacher_input=torch.randn(B, T, FT).double(),
-              teacher_weight=torch.randn(V, FT).double()), "cast the teacher"),
+        (
+            dict(
+                teacher_input=torch.randn(B, T, FT).double(),
+                teacher_weight=torch.randn(V, FT).double(),
+            ),
+            "cast the teacher",
+        ),
         (dict(beta=1.5), "beta must be a float in"),
         (dict(beta=True), "beta must be a float in"),
         (dict(hard_weight=-1.0), "hard_weight"),
@@ -304,9 +399,7 @@ def test_transient_memory_within_student_gradients():
     # started before a fork does not survive it); a fixed mmap threshold makes the
     # peak count the bytes the call holds (as tests/test_memory_bounds.py).
     preamble = (
-        "import ctypes, gc\n"
-        "import torch, linear_ce\n"
-        "ctypes.CDLL(None).mallopt(-3, 128 * 1024)\n"
+        "import ctypes, gc\nimport torch, linear_ce\nctypes.CDLL(None).mallopt(-3, 128 * 1024)\n"
     )
     setup = (
         "g = torch.Generator().manual_seed(0)\n"
