@@ -50,12 +50,14 @@ from torch.autograd.function import once_differentiable
 
 from linear_ce.arguments import Call, check_call, check_token_call, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
+from linear_ce.divergence import DivergenceCall, check_divergence_call
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobHead
 from linear_ce.ops import _check_targets, hand_over_gradients
+from linear_ce.ops_divergence import run_divergence
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
-from linear_ce.plan import Plan, make_plan
+from linear_ce.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.token_logprobs import TokenLogprobs
 from linear_ce.transform import check_scales
 
@@ -63,6 +65,7 @@ __all__ = [
     "VocabShard",
     "shard_layout",
     "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_divergence",
     "vocab_parallel_token_logprobs",
 ]
 
@@ -558,3 +561,174 @@ def vocab_parallel_token_logprobs(
         ent.view(shape) if entropy else None,
         is_top1.view(shape) if top1 else None,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DivergenceSpec:
+    checked: DivergenceCall
+    shard: VocabShard
+    options: LinearCrossEntropyOptions
+    plan_classes: int
+    needs: tuple[bool, bool, bool]
+
+
+def _shard_divergence(spec: _DivergenceSpec, input, weight, bias, row_weight, needs):
+    checked, call = spec.checked, spec.checked.call
+    head, grads = run_divergence(
+        input,
+        weight,
+        bias,
+        *checked.teacher,
+        call.target.long(),
+        call.target != call.ignore_index,
+        row_weight=row_weight,
+        beta=checked.beta,
+        hard_weight=checked.hard_weight,
+        transform=call.transform,
+        teacher_transform=checked.teacher_transform,
+        entropy=False,
+        options=spec.options,
+        needs=needs,
+        vocab=spec.shard,
+        vocab_start=spec.shard.start,
+        plan_classes=spec.plan_classes,
+    )
+    if grads.input is not None:
+        spec.shard.sum_(grads.input)
+    return head, grads
+
+
+class _VocabParallelDivergence(torch.autograd.Function):
+    """Distillation loss of one pair of shards; "mean"/"sum" form the gradients in forward."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: _DivergenceSpec):
+        call = spec.checked.call
+        valid = call.target != call.ignore_index
+        reduction = spec.checked.reduction
+        ctx.spec = spec
+        if reduction == "none":
+            head, _ = _shard_divergence(spec, input, weight, bias, None, (False, False, False))
+            ctx.save_for_backward(
+                input.detach(), weight.detach(), None if bias is None else bias.detach()
+            )
+            return head.loss
+        row_weight = valid.to(acc_dtype_for(input.dtype, spec.options.acc_dtype))
+        count = valid.sum()
+        if reduction == "mean":
+            row_weight = row_weight / count
+        head, grads = _shard_divergence(spec, input, weight, bias, row_weight, spec.needs)
+        ctx.grads = [grads.input, grads.weight, grads.bias]
+        loss = head.loss.sum()
+        return loss / count if reduction == "mean" else loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        spec: _DivergenceSpec = ctx.spec
+        if spec.checked.reduction != "none":
+            scaled = hand_over_gradients(
+                ctx, spec.needs, grad_loss, spec.options.allow_retain_graph
+            )
+            return (*scaled, None)
+        input, weight, bias = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        _, grads = _shard_divergence(spec, input, weight, bias, grad_loss.contiguous(), needs)
+        return grads.input, grads.weight, grads.bias, None
+
+
+def vocab_parallel_linear_divergence(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+) -> torch.Tensor:
+    """:func:`linear_ce.linear_divergence` with both heads sharded along the vocabulary
+    the same way.
+
+    Every rank passes its shards ``(V_r, F_s)`` of the student's head and ``(V_r, F_t)``
+    of the teacher's (and biases), and the same inputs and target; every rank gets the
+    same loss, equal to ``linear_divergence`` on the full heads. Per chunk of valid rows:
+    two all_reduce MAX (the student's and the teacher's row max) and one all_reduce SUM
+    of the row sums; one more SUM for ``0 < beta < 1`` (the mixture's sums need both
+    normalisers); "none" repeats them in backward; one all_reduce of the input gradient.
+
+    Example (under ``torchrun``)::
+
+        >>> loss = vocab_parallel_linear_divergence(
+        ...     hidden, student_shard, teacher_hidden, teacher_shard, labels, shift=True
+        ... )
+    """
+    name = "vocab_parallel_linear_divergence"
+    _reject_dtensors(
+        student_input=student_input,
+        student_weight=student_weight,
+        teacher_input=teacher_input,
+        teacher_weight=teacher_weight,
+        student_bias=student_bias,
+        teacher_bias=teacher_bias,
+    )
+    if not isinstance(student_weight, torch.Tensor) or student_weight.dim() != 2:
+        raise ValueError(
+            f"{name}: student_weight must be this rank's shard (V_local, in_features), got "
+            f"{getattr(student_weight, 'shape', type(student_weight).__name__)}"
+        )
+    _require_group(process_group)
+    vocab_start, num_classes = _layout(student_weight, process_group, vocab_start, num_classes)
+    checked = check_divergence_call(
+        name,
+        student_input,
+        student_weight,
+        teacher_input,
+        teacher_weight,
+        target,
+        student_bias=student_bias,
+        teacher_bias=teacher_bias,
+        beta=beta,
+        temperature=temperature,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap,
+        ignore_index=ignore_index,
+        shift=shift,
+        reduction=reduction,
+        hard_weight=hard_weight,
+        num_classes=num_classes,
+    )
+    call = checked.call
+    if checked.hard_weight > 0.0:
+        _check_targets(call, num_classes)
+    options = resolve_options(options, name)
+    grad_on = torch.is_grad_enabled()
+    spec = _DivergenceSpec(
+        checked,
+        VocabShard(vocab_start, num_classes, process_group),
+        options,
+        -(-num_classes // dist.get_world_size(process_group)),
+        (
+            grad_on and call.input.requires_grad,
+            grad_on and call.linear_weight.requires_grad,
+            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+        ),
+    )
+    loss = _VocabParallelDivergence.apply(call.input, call.linear_weight, call.linear_bias, spec)
+    return loss if reduction != "none" else loss.view(call.loss_shape)

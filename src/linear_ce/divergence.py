@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -12,19 +13,9 @@ from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.plan import acc_dtype_for
 from linear_ce.transform import LogitTransform, check_scales
 
-__all__ = ["linear_divergence"]
+__all__ = ["DivergenceCall", "check_divergence_call", "check_teacher", "linear_divergence"]
 
 _NAME = "linear_divergence"
-
-
-def _fail(message: str):
-    raise ValueError(f"{_NAME}: {message}")
-
-
-def _check_real(name: str, value: object, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        _fail(f"{name} must be a float in [{low}, {high}], got {value!r}")
-    return float(value)
 
 
 def check_teacher(
@@ -54,8 +45,9 @@ def check_teacher(
     student_classes = call.weight_shape[0]
     if classes != student_classes:
         fail(
-            f"student and teacher must share the vocabulary: linear_weight has {student_classes} "
-            f"classes, teacher_weight {classes}"
+            f"student and teacher must share the vocabulary (the same shard of it when "
+            f"vocab-parallel): student_weight has {student_classes} classes, teacher_weight "
+            f"{classes}"
         )
     if tuple(teacher_input.shape) != (*batch, features):
         fail(
@@ -96,6 +88,93 @@ def check_teacher(
         teacher_weight.detach().reshape(classes, 1, features),
         None if teacher_bias is None else teacher_bias.detach().reshape(classes, 1),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergenceCall:
+    """A checked distillation call: the student's :class:`~linear_ce.arguments.Call`
+    (rows, target, transform), the teacher's ``(input, weight, bias)`` in rows and its
+    transform, and the scalar options."""
+
+    call: Call
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    teacher_transform: LogitTransform
+    beta: float
+    hard_weight: float
+    reduction: str
+
+
+def check_divergence_call(
+    name: str,
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    *,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    beta: float,
+    temperature: float,
+    student_logit_scale: float,
+    teacher_logit_scale: float,
+    student_softcap: float | None,
+    teacher_softcap: float | None,
+    ignore_index: int,
+    shift: bool | int,
+    reduction: str,
+    hard_weight: float,
+    num_classes: int | None = None,
+) -> DivergenceCall:
+    """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
+    vocabulary when the heads are vocab-parallel shards."""
+
+    def fail(message: str):
+        raise ValueError(f"{name}: {message}")
+
+    def real(label: str, value: object, low: float, high: float) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
+        if not low <= value <= high or math.isnan(value):
+            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    if not isinstance(student_input, torch.Tensor):
+        fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
+    beta = real("beta", beta, 0.0, 1.0)
+    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
+    if math.isinf(hard_weight):
+        fail("hard_weight must be finite")
+    if reduction not in ("mean", "sum", "none"):
+        fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if hard_weight > 0.0 and target is None:
+        fail("hard_weight > 0 needs target (the hard labels)")
+    check_softcap(teacher_softcap)
+    check_scales(name, teacher_logit_scale, temperature)
+    batch = tuple(student_input.shape[:-1])
+    if target is None:
+        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
+    call = check_token_call(
+        name,
+        student_input,
+        student_weight,
+        target,
+        linear_bias=student_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=student_logit_scale,
+        softcap=student_softcap,
+        flags={},
+        num_classes=num_classes,
+    )
+    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
+    teacher_transform = LogitTransform(
+        float(teacher_logit_scale),
+        None if teacher_softcap is None else float(teacher_softcap),
+        float(temperature),
+    )
+    return DivergenceCall(call, teacher, teacher_transform, beta, hard_weight, reduction)
 
 
 def linear_divergence(
@@ -179,41 +258,28 @@ def linear_divergence(
         ... )
         >>> loss.backward()
     """
-    if not isinstance(student_input, torch.Tensor):
-        _fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
-    beta = _check_real("beta", beta, 0.0, 1.0)
-    hard_weight = _check_real("hard_weight", hard_weight, 0.0, math.inf)
-    if math.isinf(hard_weight):
-        _fail("hard_weight must be finite")
-    if reduction not in ("mean", "sum", "none"):
-        _fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
-    if hard_weight > 0.0 and target is None:
-        _fail("hard_weight > 0 needs target (the hard labels)")
-    check_softcap(teacher_softcap)
-    check_scales(_NAME, teacher_logit_scale, temperature)
-    batch = tuple(student_input.shape[:-1])
-    if target is None:
-        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
-    call = check_token_call(
+    checked = check_divergence_call(
         _NAME,
         student_input,
         student_weight,
+        teacher_input,
+        teacher_weight,
         target,
-        linear_bias=student_bias,
+        student_bias=student_bias,
+        teacher_bias=teacher_bias,
+        beta=beta,
+        temperature=temperature,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap,
         ignore_index=ignore_index,
         shift=shift,
-        temperature=temperature,
-        logit_scale=student_logit_scale,
-        softcap=student_softcap,
-        flags={},
+        reduction=reduction,
+        hard_weight=hard_weight,
     )
-    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch)
+    call, teacher = checked.call, checked.teacher
     options = resolve_options(options, _NAME)
-    teacher_transform = LogitTransform(
-        float(teacher_logit_scale),
-        None if teacher_softcap is None else float(teacher_softcap),
-        float(temperature),
-    )
     grad_on = torch.is_grad_enabled()
     loss, _entropy, *_grads = divergence(
         call.input,
@@ -223,10 +289,10 @@ def linear_divergence(
         call.target,
         None,
         call.ignore_index,
-        beta,
-        hard_weight,
+        checked.beta,
+        checked.hard_weight,
         call.transform.as_list(),
-        teacher_transform.as_list(),
+        checked.teacher_transform.as_list(),
         reduction,
         False,
         options.batch_chunk_size,
