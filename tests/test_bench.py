@@ -32,7 +32,7 @@ def test_report_end_to_end(tmp_path):
             "--ignored",
             "0.5",
             "--heads",
-            "ce,logprobs,objective",
+            "ce,logprobs,objective,divergence",
             "--plot",
             str(plot),
             "--json",
@@ -63,6 +63,7 @@ def test_report_end_to_end(tmp_path):
         (64, "bf16", "ce", 0.5),
         (64, "bf16", "logprobs", 0.0),
         (64, "bf16", "objective", 0.0),
+        (64, "bf16", "divergence", 0.0),
     }
     for point in data["points"]:
         # Each point measures the variants of its head (the floors serve every head); the
@@ -78,12 +79,20 @@ def test_report_end_to_end(tmp_path):
                 "objective-logprobs",
                 "objective-linear_ce",
             ],
+            ("divergence", False): [
+                *floors,
+                "floor-2heads",
+                "floor-2heads-fp32",
+                "divergence-plain",
+                "divergence-linear_ce",
+                "divergence-trl",
+            ],
         }[(point["head"], point["ignored"] > 0)]
         assert [row["variant"] for row in point["rows"]] == expected
         if point["head"] != "ce" or point["ignored"]:
             rows = {row["variant"]: row for row in point["rows"]}
             for name in expected:
-                if name.startswith(("logprobs-", "objective-")) or name == "linear_ce":
+                if name.startswith(("logprobs-", "objective-", "divergence-l")) or name == "linear_ce":
                     assert rows[name]["seconds"] > 0, rows[name]
             continue
         assert point["grad_bytes"] == (point["N"] + point["V"]) * point["D"] * 2

@@ -66,8 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ce",
         help="what is computed: 'ce' (the loss; every shape and the sweep), 'logprobs' "
         "(per-token log-probabilities and entropy with upstream gradients on both) and "
-        "'objective' (a clipped policy-gradient step), the last two at the first shape in "
-        "the first dtype (default ce, to keep the default run short)",
+        "'objective' (a clipped policy-gradient step), 'divergence' (distillation: forward "
+        "KL to a teacher head of the same shape, against a four-GEMM floor), the last three "
+        "at the first shape in the first dtype (default ce, to keep the default run short)",
     )
     parser.add_argument(
         "--repeats",

@@ -38,8 +38,9 @@ _SHORT = {
 
 #: The heads a point can measure: the cross-entropy loss; per-token log-probabilities and
 #: entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both; a PPO/GRPO
-#: clipped policy-gradient step (:func:`linear_ce.token_objective`).
-HEADS = ("ce", "logprobs", "objective")
+#: clipped policy-gradient step (:func:`linear_ce.token_objective`); distillation
+#: (:func:`linear_ce.linear_divergence`, a teacher head of the same shape).
+HEADS = ("ce", "logprobs", "objective", "divergence")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,6 +147,11 @@ COLORS = {
     "objective-plain": "#00ff7f",
     "objective-logprobs": "#4b0082",
     "objective-linear_ce": "#ffa07a",
+    "floor-2heads": "#ff00ff",
+    "floor-2heads-fp32": "#8000ff",
+    "divergence-plain": "#cc0099",
+    "divergence-linear_ce": "#00ff00",
+    "divergence-trl": "#80ccff",
 }
 
 

@@ -158,6 +158,67 @@ def _objective(kind: str) -> Build:
     return build
 
 
+def _teacher(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher of the point's shape: its own hidden states and head, fixed by a seed."""
+    gen = torch.Generator().manual_seed(3)
+    xt = torch.randn(x.shape, generator=gen).to(x.device, x.dtype)
+    wt = (torch.randn(w.shape, generator=gen) * w.shape[1] ** -0.5).to(w.device, w.dtype)
+    return xt, wt
+
+
+def _floor_two_heads(dtype: torch.dtype | None) -> Build:
+    def build(x, w, t):
+        xd = x.detach().to(dtype or x.dtype)
+        wd = w.detach().to(dtype or w.dtype)
+        xt, wt = (a.to(dtype or a.dtype) for a in _teacher(x, w))
+
+        def call():
+            logits = xd @ wd.T
+            xt @ wt.T
+            logits @ wd
+            logits.T @ xd
+
+        return call
+
+    return build
+
+
+def _plain_forward_kl(xs, ws, xt, wt, t):
+    valid = t != -100
+    log_p = torch.log_softmax(F.linear(xs[valid], ws).float(), dim=-1)
+    log_q = torch.log_softmax(F.linear(xt[valid], wt).float(), dim=-1)
+    return (log_q.exp() * (log_q - log_p)).sum() / valid.sum()
+
+
+def _divergence(kind: str) -> Build:
+    def build(x, w, t):
+        xt, wt = _teacher(x, w)
+
+        def call():
+            if kind == "linear_ce":
+                import linear_ce
+
+                linear_ce.linear_divergence(x, w, xt, wt, t).backward()
+            elif kind == "trl":
+                from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+                valid = t != -100
+                per_token, _ = ChunkedDivergenceFunction.apply(
+                    x[valid], w, None, xt[valid], wt, None, 0.0
+                )
+                per_token.mean().backward()
+            else:
+                _plain_forward_kl(x, w, xt, wt, t).backward()
+
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
+        return call
+
+    return build
+
+
 def _floor_fwd(x, w, t):
     dtype = (
         x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
@@ -288,6 +349,22 @@ VARIANTS: dict[str, Variant] = {
             "the three GEMMs alone, in fp32",
             HEADS,
         ),
+        Variant(
+            "floor-2heads",
+            "train",
+            _floor_two_heads(None),
+            _same_dtype_floor,
+            "the four GEMMs of distillation alone (two logits, two student gradients)",
+            ("divergence",),
+        ),
+        Variant(
+            "floor-2heads-fp32",
+            "train",
+            _floor_two_heads(torch.float32),
+            _half_only,
+            "the four GEMMs of distillation alone, in fp32",
+            ("divergence",),
+        ),
         Variant("plain", "train", _train(_plain), _always, "cross_entropy(linear(x, W), t), eager"),
         Variant(
             "plain-compile",
@@ -391,6 +468,30 @@ VARIANTS: dict[str, Variant] = {
             "linear_ce.token_objective(clipped_policy_gradient) (3 GEMMs)",
             ("objective",),
         ),
+        Variant(
+            "divergence-plain",
+            "train",
+            _divergence("plain"),
+            _always,
+            "forward KL(teacher || student) on both full logits of the valid rows",
+            ("divergence",),
+        ),
+        Variant(
+            "divergence-linear_ce",
+            "train",
+            _divergence("linear_ce"),
+            _always,
+            "linear_ce.linear_divergence(beta=0), mean (4 GEMMs)",
+            ("divergence",),
+        ),
+        Variant(
+            "divergence-trl",
+            "train",
+            _divergence("trl"),
+            _needs_module("trl"),
+            "TRL's ChunkedDivergenceFunction(beta=0) on the valid rows, mean",
+            ("divergence",),
+        ),
     ]
 }
 
@@ -412,6 +513,11 @@ DEFAULT = (
     "objective-plain",
     "objective-logprobs",
     "objective-linear_ce",
+    "floor-2heads",
+    "floor-2heads-fp32",
+    "divergence-plain",
+    "divergence-linear_ce",
+    "divergence-trl",
 )
 
 
@@ -441,10 +547,12 @@ def measured_at(name: str, point: Point) -> bool:
 
 def reference_variant(point: Point, kind: str) -> str:
     """The floor a variant's time is divided by: ``floor-fwd`` for forward
-    variants; ``floor-fp32`` for half inputs (the targets' reference), else ``floor``."""
+    variants; ``floor-fp32`` for half inputs (the targets' reference), else ``floor``;
+    at a distillation point the four-GEMM ``floor-2heads`` (``-fp32``) instead."""
     if kind == "forward":
         return "floor-fwd"
-    return "floor-fp32" if point.torch_dtype in _HALF else "floor"
+    base = "floor-2heads" if point.head == "divergence" else "floor"
+    return f"{base}-fp32" if point.torch_dtype in _HALF else base
 
 
 def make_inputs(point: Point, seed: int = 0) -> Inputs:
