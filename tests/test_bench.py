@@ -92,7 +92,10 @@ def test_report_end_to_end(tmp_path):
         if point["head"] != "ce" or point["ignored"]:
             rows = {row["variant"]: row for row in point["rows"]}
             for name in expected:
-                if name.startswith(("logprobs-", "objective-", "divergence-l")) or name == "linear_ce":
+                if (
+                    name.startswith(("logprobs-", "objective-", "divergence-l"))
+                    or name == "linear_ce"
+                ):
                     assert rows[name]["seconds"] > 0, rows[name]
             continue
         assert point["grad_bytes"] == (point["N"] + point["V"]) * point["D"] * 2

@@ -328,6 +328,23 @@ def test_student_entropy_output():
         assert rel_err(out[1].view(B, T), ref) <= 3 * eps(torch.float64)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_return_entropy(reduction):
+    xs, ws, xt, wt, _, _, t = _inputs(10, torch.float64, bias=False)
+    xs.requires_grad_()
+    loss, ent = linear_ce.linear_divergence(
+        xs, ws, xt, wt, t, shift=True, temperature=0.8, reduction=reduction, return_entropy=True
+    )
+    plain = linear_ce.linear_divergence(
+        xs, ws, xt, wt, t, shift=True, temperature=0.8, reduction=reduction
+    )
+    assert torch.equal(loss, plain) and not ent.requires_grad
+    logp = torch.log_softmax(xs[:, :-1] @ ws.T / 0.8, -1)
+    valid = t[:, 1:] != -100
+    ref = torch.nn.functional.pad(torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0), (0, 1))
+    assert rel_err(ent, ref) <= 16 * eps(torch.float64)
+
+
 def test_compile_and_vmap():
     xs, ws, xt, wt, _, _, t = _inputs(8, torch.float32, bias=False)
     xs.requires_grad_()
@@ -384,6 +401,7 @@ def _bad(**change):
         (dict(teacher_weight=torch.randn(V, FT, 1)), "teacher_weight must have shape"),
         (dict(teacher_input="x"), "teacher_input must be a Tensor"),
         (dict(target=torch.full((B, T), V), hard_weight=1.0), "class index"),
+        (dict(return_entropy=1), "return_entropy must be a bool"),
     ],
 )
 def test_bad_inputs(change, message):

@@ -196,8 +196,9 @@ def linear_divergence(
     shift: bool | int = False,
     reduction: str = "mean",
     hard_weight: float = 0.0,
+    return_entropy: bool = False,
     options: LinearCrossEntropyOptions | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Distillation loss between a student's and a teacher's next-token distributions,
     computed from both heads' hidden states without either ``(N, V)`` logits tensor.
 
@@ -238,10 +239,14 @@ def linear_divergence(
         reduction: ``"mean"`` over the positions that count, ``"sum"``, or ``"none"``
             (the target's shape, zero where ignored).
         hard_weight: ``>= 0``; ``> 0`` needs a ``target``.
+        return_entropy: also return the student's entropy :math:`-\sum p_s \log p_s` at
+            each position (the target's shape, zero where ignored, detached), from the
+            same pass (what distillation trainers log).
         options: :class:`linear_ce.LinearCrossEntropyOptions` (chunking, accumulation).
 
     Returns:
-        The loss in the accumulation dtype (float32 for float16/bfloat16 students).
+        The loss in the accumulation dtype (float32 for float16/bfloat16 students);
+        ``(loss, entropy)`` with ``return_entropy``.
 
     Memory: one ``(chunk, V)`` logits tile per head (and one more for the mixture of
     ``0 < beta < 1``); "mean"/"sum" compute the gradients in forward (four GEMMs per
@@ -279,9 +284,11 @@ def linear_divergence(
         hard_weight=hard_weight,
     )
     call, teacher = checked.call, checked.teacher
+    if not isinstance(return_entropy, bool):
+        raise ValueError(f"{_NAME}: return_entropy must be a bool, got {return_entropy!r}")
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
-    loss, _entropy, *_grads = divergence(
+    loss, entropy, *_grads = divergence(
         call.input,
         call.linear_weight,
         call.linear_bias,
@@ -294,7 +301,7 @@ def linear_divergence(
         call.transform.as_list(),
         checked.teacher_transform.as_list(),
         reduction,
-        False,
+        return_entropy,
         options.batch_chunk_size,
         options.chunking_method,
         options.acc_policy,
@@ -304,4 +311,6 @@ def linear_divergence(
         grad_on and call.linear_weight.requires_grad,
         grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
     )
-    return loss if reduction != "none" else loss.view(call.loss_shape)
+    if reduction == "none":
+        loss = loss.view(call.loss_shape)
+    return (loss, entropy.view(call.loss_shape).detach()) if return_entropy else loss
