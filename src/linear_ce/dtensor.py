@@ -48,10 +48,15 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from linear_ce.arguments import DEFAULT_IGNORE_INDEX, shifted_target
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -134,11 +139,7 @@ def _holds_dtensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- the layout
 
 
-def _describe(placement: Any) -> str:
-    return repr(placement)
-
-
-def _mesh_dim(mesh: Any, dim: int) -> str:
+def _mesh_dim(mesh: DeviceMesh, dim: int) -> str:
     names = mesh.mesh_dim_names
     return f"mesh dimension {dim}" + (f" ({names[dim]!r})" if names else "")
 
@@ -148,7 +149,7 @@ def _is_shard(placement: Any) -> bool:
     return type(placement) is Shard
 
 
-def _placements(value: torch.Tensor, mesh: Any) -> tuple[Any, ...]:
+def _placements(value: torch.Tensor, mesh: DeviceMesh) -> tuple[Any, ...]:
     if isinstance(value, DTensor):
         return tuple(value.placements)
     return (Replicate(),) * mesh.ndim
@@ -163,7 +164,7 @@ class _Layout:
     ``batch_ndim``: the input's batch dimensions (all but the features).
     """
 
-    mesh: Any
+    mesh: DeviceMesh
     vocab_dim: int | None
     row_dims: dict[int, int]
     batch_ndim: int
@@ -183,11 +184,11 @@ class _Layout:
         return [self.mesh.get_group(d) for d in sorted(self.row_dims)]
 
 
-def _fail(name: str, message: str) -> None:
+def _fail(name: str, message: str) -> NoReturn:
     raise ValueError(f"{name}: {message}")
 
 
-def _common_mesh(name: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _common_mesh(name: str, tensors: dict[str, torch.Tensor]) -> DeviceMesh:
     meshes = {
         arg: value.device_mesh for arg, value in tensors.items() if isinstance(value, DTensor)
     }
@@ -202,7 +203,7 @@ def _common_mesh(name: str, tensors: dict[str, torch.Tensor]) -> Any:
     return mesh
 
 
-def _check_devices(name: str, mesh: Any, tensors: dict[str, torch.Tensor]) -> None:
+def _check_devices(name: str, mesh: DeviceMesh, tensors: dict[str, torch.Tensor]) -> None:
     for arg, value in tensors.items():
         if value.device.type != mesh.device_type:
             _fail(
@@ -214,7 +215,7 @@ def _check_devices(name: str, mesh: Any, tensors: dict[str, torch.Tensor]) -> No
             )
 
 
-def _check_placement_kinds(name: str, mesh: Any, tensors: dict[str, torch.Tensor]) -> None:
+def _check_placement_kinds(name: str, mesh: DeviceMesh, tensors: dict[str, torch.Tensor]) -> None:
     """Only ``Shard`` and ``Replicate`` have a meaning for a loss argument."""
     for arg, value in tensors.items():
         if not isinstance(value, DTensor):
@@ -223,25 +224,25 @@ def _check_placement_kinds(name: str, mesh: Any, tensors: dict[str, torch.Tensor
             if placement.is_partial():
                 _fail(
                     name,
-                    f"{arg} has placement {_describe(placement)} on {_mesh_dim(mesh, d)}, a "
+                    f"{arg} has placement {placement!r} on {_mesh_dim(mesh, d)}, a "
                     "pending reduction, which is not supported; redistribute it to "
                     "Replicate() or a Shard first",
                 )
             if not (_is_shard(placement) or placement.is_replicate()):
                 _fail(
                     name,
-                    f"{arg} has placement {_describe(placement)} on {_mesh_dim(mesh, d)}, "
+                    f"{arg} has placement {placement!r} on {_mesh_dim(mesh, d)}, "
                     "which is not supported; supported are Shard(dim) and Replicate()",
                 )
 
 
 def _vocab_dim(
-    name: str, mesh: Any, roles: _Roles, arguments: Mapping[str, Any]
-) -> tuple[int | None, tuple[Any, ...] | None]:
-    """The mesh dimension that splits the heads along the vocabulary, and their placements."""
+    name: str, mesh: DeviceMesh, roles: _Roles, arguments: Mapping[str, Any]
+) -> int | None:
+    """The mesh dimension that splits the heads along the vocabulary, if any."""
     present = {arg: arguments[arg] for arg in roles.heads if arguments.get(arg) is not None}
     if not present:
-        return None, None
+        return None
     kinds = {arg: isinstance(value, DTensor) for arg, value in present.items()}
     if len(set(kinds.values())) > 1:
         listing = ", ".join(
@@ -264,7 +265,7 @@ def _vocab_dim(
         elif not placement.is_replicate():
             _fail(
                 name,
-                f"{first_arg} has placement {_describe(placement)} on {_mesh_dim(mesh, d)}, "
+                f"{first_arg} has placement {placement!r} on {_mesh_dim(mesh, d)}, "
                 "which is not supported; a head may be Shard(0) (split along the "
                 "vocabulary) or Replicate()",
             )
@@ -275,11 +276,11 @@ def _vocab_dim(
             "at most one mesh dimension may split it (placements "
             f"{placements})",
         )
-    return (vocab_dims[0] if vocab_dims else None), placements
+    return vocab_dims[0] if vocab_dims else None
 
 
-def _layout(name: str, mesh: Any, roles: _Roles, arguments: Mapping[str, Any]) -> _Layout:
-    vocab_dim, _ = _vocab_dim(name, mesh, roles, arguments)
+def _layout(name: str, mesh: DeviceMesh, roles: _Roles, arguments: Mapping[str, Any]) -> _Layout:
+    vocab_dim = _vocab_dim(name, mesh, roles, arguments)
     input_arg = roles.rows[0]
     value = arguments[input_arg]
     batch_ndim = value.dim() - 1
@@ -291,7 +292,7 @@ def _layout(name: str, mesh: Any, roles: _Roles, arguments: Mapping[str, Any]) -
         if split >= batch_ndim:
             _fail(
                 name,
-                f"{input_arg} has placement {_describe(placement)} on {_mesh_dim(mesh, d)}: "
+                f"{input_arg} has placement {placement!r} on {_mesh_dim(mesh, d)}: "
                 f"it is split along its features (dimension {split} of "
                 f"{tuple(value.shape)}), which is not supported; split a batch or sequence "
                 f"dimension (0..{batch_ndim - 1}) or replicate it",
@@ -304,7 +305,9 @@ def _layout(name: str, mesh: Any, roles: _Roles, arguments: Mapping[str, Any]) -
 # ----------------------------------------------------------------------------- to this rank
 
 
-def _vocab_slice(name: str, mesh: Any, vocab_dim: int, head: Any, arg: str) -> tuple[int, int]:
+def _vocab_slice(
+    name: str, mesh: DeviceMesh, vocab_dim: int, head: Any, arg: str
+) -> tuple[int, int]:
     """``(vocab_start, num_classes)`` of this rank's rows of a ``Shard(0)`` head: torch's
     split (``torch.chunk``: ``⌈V/n⌉`` rows per rank, the last ranks fewer)."""
     classes, ranks = head.shape[0], mesh.size(vocab_dim)
@@ -367,8 +370,6 @@ def _shift_before_split(
         return arguments  # the function's own checks say what is wrong
     if tuple(target.shape) != batch:
         return arguments
-    from linear_ce.arguments import DEFAULT_IGNORE_INDEX, shifted_target
-
     ignore_index = arguments.get("ignore_index")
     ignore_index = DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -454,6 +455,71 @@ def _to_dtensor(value: torch.Tensor, layout: _Layout, input_shape: tuple[int, ..
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Runner:
+    """What runs on this rank: the function itself, or its vocab-parallel form with the
+    keywords that place this rank's shard."""
+
+    function: Callable[..., Any]
+    keywords: dict[str, Any]
+    num_classes: int | None
+
+
+def _runner(
+    name: str,
+    function: Callable[..., Any],
+    roles: _Roles,
+    arguments: Mapping[str, Any],
+    layout: _Layout,
+) -> _Runner:
+    if layout.vocab_dim is None:
+        return _Runner(function, {}, None)
+    mesh = layout.mesh
+    head_arg = next(arg for arg in roles.heads if isinstance(arguments.get(arg), DTensor))
+    if roles.vocab_parallel is None:
+        _fail(
+            name,
+            f"{head_arg} is split along the vocabulary (Shard(0) on "
+            f"{_mesh_dim(mesh, layout.vocab_dim)}), which {name} does not support; replicate it",
+        )
+    from linear_ce import distributed
+
+    vocab_start, num_classes = _vocab_slice(
+        name, mesh, layout.vocab_dim, arguments[head_arg], head_arg
+    )
+    keywords = dict(
+        process_group=mesh.get_group(layout.vocab_dim),
+        vocab_start=vocab_start,
+        num_classes=num_classes,
+    )
+    return _Runner(getattr(distributed, roles.vocab_parallel), keywords, num_classes)
+
+
+def _local_arguments(
+    arguments: Mapping[str, Any],
+    roles: _Roles,
+    layout: _Layout,
+    keywords_name: str | None,
+    per_token: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """The call's arguments on this rank: its rows, whole class weights, its head shard."""
+    local = dict(_shift_before_split(arguments, layout, roles.rows[0]))
+    for arg in roles.rows:
+        if isinstance(local.get(arg), torch.Tensor):
+            local[arg] = _to_rows(local[arg], layout)
+    if per_token:
+        local[keywords_name] = {k: _to_rows(v, layout) for k, v in per_token.items()}
+    for arg in roles.whole:
+        local[arg] = _whole(local.get(arg))
+    for arg in roles.heads:
+        head = local.get(arg)
+        if isinstance(head, DTensor):
+            local[arg] = head.to_local(
+                grad_placements=layout.head_grad_placements(tuple(head.placements))
+            )
+    return local
+
+
 def _on_mesh(
     function: Callable[..., Any],
     signature: inspect.Signature,
@@ -468,12 +534,13 @@ def _on_mesh(
     keywords_name = next(
         (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
     )
-    per_token = dict(arguments.get(keywords_name, {})) if roles.per_token_keywords else {}
-    known = {*roles.rows, *roles.heads, *roles.whole}
+    keywords = arguments.get(keywords_name, {})
+    per_token = dict(keywords) if roles.per_token_keywords else {}
+    known = {*roles.rows, *roles.heads, *roles.whole, *per_token}
     stray = [
         arg
-        for arg, value in {**arguments, **arguments.get(keywords_name, {})}.items()
-        if isinstance(value, DTensor) and arg not in known and arg not in per_token
+        for arg, value in {**arguments, **keywords}.items()
+        if isinstance(value, DTensor) and arg not in known
     ]
     if stray:
         _fail(name, f"{', '.join(stray)} cannot be a DTensor; pass a plain tensor")
@@ -481,64 +548,27 @@ def _on_mesh(
     if not isinstance(arguments.get(input_arg), torch.Tensor):
         return function(*args, **kwargs)  # the function's own check names the mistake
 
+    # Every check runs before the first collective, so a bad call fails on every rank alike.
     tensors = {
         arg: value
         for arg, value in {**arguments, **per_token}.items()
-        if (arg in known or arg in per_token) and isinstance(value, torch.Tensor)
+        if arg in known and isinstance(value, torch.Tensor)
     }
     mesh = _common_mesh(name, tensors)
     _check_devices(name, mesh, tensors)
     _check_placement_kinds(name, mesh, tensors)
     layout = _layout(name, mesh, roles, arguments)
-    input_shape = tuple(arguments[input_arg].shape)
+    runner = _runner(name, function, roles, arguments, layout)
 
-    local = dict(_shift_before_split(arguments, layout, input_arg))
-    for arg in roles.rows:
-        if isinstance(local.get(arg), torch.Tensor):
-            local[arg] = _to_rows(local[arg], layout)
-    if per_token:
-        local[keywords_name] = {k: _to_rows(v, layout) for k, v in per_token.items()}
-    for arg in roles.whole:
-        local[arg] = _whole(local.get(arg))
-
-    extra: dict[str, Any] = {}
-    num_classes = None
-    for arg in roles.heads:
-        head = local.get(arg)
-        if isinstance(head, DTensor):
-            local[arg] = head.to_local(
-                grad_placements=layout.head_grad_placements(tuple(head.placements))
-            )
-    run = function
-    if layout.vocab_dim is not None:
-        head_arg = next(arg for arg in roles.heads if isinstance(arguments.get(arg), DTensor))
-        if roles.vocab_parallel is None:
-            _fail(
-                name,
-                f"{head_arg} is split along the vocabulary (Shard(0) on "
-                f"{_mesh_dim(mesh, layout.vocab_dim)}), which {name} does not support; "
-                "replicate it",
-            )
-        from linear_ce import distributed
-
-        run = getattr(distributed, roles.vocab_parallel)
-        vocab_start, num_classes = _vocab_slice(
-            name, mesh, layout.vocab_dim, arguments[head_arg], head_arg
-        )
-        extra = dict(
-            process_group=mesh.get_group(layout.vocab_dim),
-            vocab_start=vocab_start,
-            num_classes=num_classes,
-        )
-
+    local = _local_arguments(arguments, roles, layout, keywords_name, per_token)
     denominator = None
     if roles.mean is not None and layout.row_dims and local.get("reduction") == "mean":
-        denominator = roles.mean(local, num_classes)
+        denominator = roles.mean(local, runner.num_classes)
         local["reduction"] = "sum"
-
     bound.arguments.update(local)
-    result = run(*bound.args, **bound.kwargs, **extra)
+    result = runner.function(*bound.args, **bound.kwargs, **runner.keywords)
     outputs = _reduce_scalars(_outputs(result), layout, denominator)
+    input_shape = tuple(arguments[input_arg].shape)
     return _rebuild(
         result,
         [None if out is None else _to_dtensor(out, layout, input_shape) for out in outputs],
