@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -455,18 +456,24 @@ _2D = [
 ]
 
 
+# FSDP2 orders its CPU collectives with stream events, which torch.cpu.Stream lacks before 2.7.
+FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
+
+
 def _checks(world: int) -> dict[str, Callable[[int], list[str]]]:
     """The checks of one world size, each a function of the rank."""
     mesh = init_device_mesh("cpu", (world,))
     if world == 2:
-        return {
+        checks = {
             "loss": lambda r: _check_loss_layouts(r, 2, mesh, _1D, 101, (2, 7), "1-D"),
             "token": lambda r: _check_token_heads(r, 2, mesh, 101),
             "module": lambda r: _check_module(r, 2, mesh, 101),
             "tp_example": lambda r: _check_tensor_parallel_example(r, 2, mesh),
-            "fsdp": lambda r: _check_fsdp_llama(r, 2, mesh),
             "count": lambda r: _count_communication(r, 2, mesh),
         }
+        if FSDP2_ON_CPU and importlib.util.find_spec("transformers") is not None:
+            checks["fsdp"] = lambda r: _check_fsdp_llama(r, 2, mesh)
+        return checks
     mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return {
         "loss": lambda r: _check_loss_layouts(r, 4, mesh, _1D, 103, (3, 5), "1-D"),
@@ -554,7 +561,9 @@ def test_tensor_parallel_example(world2):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.7")
 def test_fsdp2_patched_llama_trains_like_unsharded(world2):
+    pytest.importorskip("transformers")
     assert world2["fsdp"] == []
 
 
