@@ -35,6 +35,10 @@ the same chunks):
 - one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
   not given (see :func:`shard_layout` to do it once and pass the result).
 
+:func:`vocab_parallel_token_logprobs` and :func:`vocab_parallel_token_objective` do the same
+for the per-token heads. DTensor arguments of the public functions reach these functions
+through :mod:`linear_ce.dtensor`.
+
 Only ``torch.distributed`` collectives are used, so any backend that
 implements all_reduce (MAX, SUM) and all_gather works: gloo for CPU tensors,
 NCCL for CUDA tensors.
@@ -148,7 +152,9 @@ def _reject_dtensors(**tensors: torch.Tensor | None) -> None:
     for name, value in tensors.items():
         if isinstance(value, DTensor):
             raise TypeError(
-                f"{_NAME}: {name} is a DTensor, which is not supported; pass plain tensors: "
+                f"{_NAME}: {name} is a DTensor, which these functions do not take; pass the "
+                "DTensors to linear_ce.linear_cross_entropy (token_logprobs, token_objective) "
+                "itself, which lays them out on their mesh, or pass plain tensors here: "
                 "the local vocabulary shard linear_weight.to_local() (and linear_bias.to_local()) "
                 "of a weight sharded on dim 0, the replicated input, target, weight and "
                 "token_weight as local tensors (.to_local() / .full_tensor()), and "
