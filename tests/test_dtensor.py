@@ -287,6 +287,30 @@ def _check_module(rank, world, mesh, classes) -> list[str]:
     return failures
 
 
+def _check_plain_head_with_split_rows(rank, world, mesh) -> list[str]:
+    """A plain head with sequence-split hidden states: its gradient is this rank's share, the
+    sum over its own rows, so the shares add up to the whole gradient."""
+    failures = _Failures()
+    feature = FEATURES["class_weights_smoothing_bias"]
+    full = _full_inputs(200, (2, 7), 16, 101, **feature)
+    one, one_g = _single(full, feature, "mean")
+    x = distribute_tensor(full["x"], mesh, [Shard(1)]).requires_grad_()
+    W, b = full["W"].clone().requires_grad_(), full["b"].clone().requires_grad_()
+    loss = linear_ce.linear_cross_entropy(
+        x, W, full["t"], linear_bias=b, weight=full["cw"], **_loss_kwargs(feature, "mean")
+    )
+    grads = torch.autograd.grad(
+        loss, [x, W, b], distribute_tensor(torch.tensor(0.7), mesh, [Replicate()])
+    )
+    failures.check(f"plain head loss rank {rank}", loss, one.loss)
+    failures.check(f"plain head grad_input rank {rank}", grads[0], one_g[0])
+    for name, share, want in zip(("weight", "bias"), grads[1:], one_g[1:], strict=True):
+        total = share.clone()
+        dist.all_reduce(total)
+        failures.check(f"plain head grad_{name} (summed shares) rank {rank}", total, want)
+    return failures
+
+
 def _check_tensor_parallel_example(rank, world, mesh) -> list[str]:
     """The tensor-parallel example of docs/distributed.md, against the unsplit model."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -468,6 +492,7 @@ def _checks(world: int) -> dict[str, Callable[[int], list[str]]]:
             "loss": lambda r: _check_loss_layouts(r, 2, mesh, _1D, 101, (2, 7), "1-D"),
             "token": lambda r: _check_token_heads(r, 2, mesh, 101),
             "module": lambda r: _check_module(r, 2, mesh, 101),
+            "plain_head": lambda r: _check_plain_head_with_split_rows(r, 2, mesh),
             "tp_example": lambda r: _check_tensor_parallel_example(r, 2, mesh),
             "count": lambda r: _count_communication(r, 2, mesh),
         }
@@ -554,6 +579,12 @@ def test_module_with_split_parameters(world2):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_plain_head_gets_its_share_of_the_gradient(world2):
+    assert world2["plain_head"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_tensor_parallel_example(world2):
     """parallelize_module with ColwiseParallel on the head, then the loss from its weight."""
     assert world2["tp_example"] == []
@@ -631,11 +662,18 @@ def test_unsupported_input_placement(mesh, placement, message):
 
 def test_head_tensors_split_alike(mesh):
     W = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])
-    with pytest.raises(ValueError, match="must all be DTensors or all plain tensors"):
+    with pytest.raises(ValueError, match=r"linear_bias is a plain tensor \(replicated: "):
         _call(torch.randn(4, 3), W, linear_bias=torch.randn(5))
     b = distribute_tensor(torch.randn(5), mesh, [Replicate()])
-    with pytest.raises(ValueError, match=r"linear_bias has placements \(Replicate\(\),\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"linear_bias is a DTensor with placements \(Replicate\(\),\) but linear_weight "
+        r"is a DTensor with placements \(Shard\(dim=0\),\); the head's tensors must be split",
+    ):
         _call(torch.randn(4, 3), W, linear_bias=b)
+    # A plain bias counts as replicated: with a replicated weight it is accepted.
+    W = distribute_tensor(torch.randn(5, 3), mesh, [Replicate()])
+    assert _call(torch.randn(4, 3), W, linear_bias=torch.randn(5)).placements == (Replicate(),)
 
 
 def test_one_mesh(mesh):

@@ -155,6 +155,12 @@ def _placements(value: torch.Tensor, mesh: DeviceMesh) -> tuple[Any, ...]:
     return (Replicate(),) * mesh.ndim
 
 
+def _split_as(value: torch.Tensor, mesh: DeviceMesh) -> str:
+    if isinstance(value, DTensor):
+        return f"a DTensor with placements {tuple(value.placements)!r}"
+    return f"a plain tensor (replicated: {_placements(value, mesh)!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """How one call lies on ``mesh``.
@@ -243,20 +249,15 @@ def _vocab_dim(
     present = {arg: arguments[arg] for arg in roles.heads if arguments.get(arg) is not None}
     if not present:
         return None
-    kinds = {arg: isinstance(value, DTensor) for arg, value in present.items()}
-    if len(set(kinds.values())) > 1:
-        listing = ", ".join(
-            f"{arg} is {'a DTensor' if is_d else 'a plain tensor'}" for arg, is_d in kinds.items()
-        )
-        _fail(name, f"the head's tensors must all be DTensors or all plain tensors: {listing}")
     first_arg, first = next(iter(present.items()))
     placements = _placements(first, mesh)
     for arg, value in present.items():
-        if tuple(_placements(value, mesh)) != placements:
+        if _placements(value, mesh) != placements:
             _fail(
                 name,
-                f"{arg} has placements {tuple(value.placements)} but {first_arg} has "
-                f"{placements}; the head's tensors must be split the same way",
+                f"{arg} is {_split_as(value, mesh)} but {first_arg} is "
+                f"{_split_as(first, mesh)}; the head's tensors must be split the same way "
+                "(a plain tensor counts as replicated)",
             )
     vocab_dims = []
     for d, placement in enumerate(placements):
