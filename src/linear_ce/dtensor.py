@@ -38,7 +38,11 @@ The hook: a public function is decorated once, naming the roles of its arguments
     )
     def linear_cross_entropy(input, linear_weight, target, *, ...): ...
 
-Calls without a DTensor argument go straight to the function.
+The head's tensors must be split alike (a plain one counts as replicated). Four arguments are
+read by name where the function has them: ``target``, ``shift`` and ``ignore_index`` (the labels
+are shifted on the whole sequence when the sequence is split) and ``reduction`` (a ``"mean"``
+over split rows runs as ``"sum"`` and is divided by the global denominator). Calls without a
+DTensor argument go straight to the function.
 """
 
 from __future__ import annotations
