@@ -117,7 +117,7 @@ def _single(full: dict, feature: dict, reduction: str):
     b = None if full["b"] is None else full["b"].clone().requires_grad_()
     out = linear_ce.linear_cross_entropy(
         x, W, full["t"], linear_bias=b, weight=full["cw"], token_weight=full["tw"],
-        return_lse=True, **_loss_kwargs(feature, reduction),
+        return_lse=True, return_z_loss=True, **_loss_kwargs(feature, reduction),
     )  # fmt: skip
     up = full["up"] if reduction == "none" else torch.tensor(0.7)
     wrt = [x, W] + ([b] if b is not None else [])
@@ -209,6 +209,7 @@ def _check_loss_layouts(rank, world, mesh, layouts, classes, batch, label) -> li
                         max(3 * eps(torch.float32), 2 * rel_err(p, r)),
                     )
                 failures.check(f"{what} lse", out.lse, one.lse)
+                failures.check(f"{what} z_loss", out.z_loss, one.z_loss)
     return failures
 
 
