@@ -265,6 +265,56 @@ def _check_token_heads(rank, world, mesh, classes) -> list[str]:
     return failures
 
 
+def _divergence_denominator(arguments, num_classes):
+    """The tokens a "mean" distillation loss divides by, on this rank's rows."""
+    from linear_ce.divergence import check_divergence_call
+
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
+    keywords = {k: v for k, v in arguments.items() if k not in (*names, "options")}
+    checked = check_divergence_call(
+        "linear_divergence", *(arguments[k] for k in names), **keywords, num_classes=num_classes
+    )
+    return (checked.call.target != checked.call.ignore_index).sum()
+
+
+def _check_divergence_hook(rank, world, mesh, classes) -> list[str]:
+    """The hook on linear_divergence, as its module would declare it: both heads split
+    alike, the student's and the teacher's hidden states and the labels as rows."""
+    from linear_ce.divergence import linear_divergence
+
+    on_mesh = accepts_dtensors(
+        rows=("student_input", "teacher_input", "target"),
+        heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
+        vocab_parallel="vocab_parallel_linear_divergence",
+        mean=_divergence_denominator,
+    )(linear_divergence)
+    failures = _Failures()
+    g = torch.Generator().manual_seed(13)
+    x, xt = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 12, generator=g)
+    W, Wt = torch.randn(classes, 16, generator=g), torch.randn(classes, 12, generator=g)
+    t = torch.randint(0, classes, (2, 7), generator=g)
+    t[1, 2:5] = IGNORE
+    kw = dict(shift=True, beta=0.5, hard_weight=0.3, temperature=0.9, options=OPTIONS)
+    layouts = [((Shard(0),), None), ((Replicate(),), (Shard(1),)), ((Shard(0),), (Shard(1),))]
+    for reduction in ("mean", "sum", "none"):
+        xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
+        one = linear_divergence(xs, Ws, xt, Wt, t, reduction=reduction, **kw)
+        up = torch.randn(2, 7, generator=g) if reduction == "none" else torch.tensor(0.7)
+        one_g = torch.autograd.grad(one, [xs, Ws], up)
+        for w_pl, x_pl in layouts:
+            what = f"divergence {reduction} W{w_pl} x{x_pl} rank {rank}/{world}"
+            xd = (_place(x, mesh, x_pl) if x_pl else x.clone()).requires_grad_()
+            Wd = _place(W, mesh, w_pl).requires_grad_()
+            loss = on_mesh(xd, Wd, xt, _place(Wt, mesh, w_pl), t, reduction=reduction, **kw)
+            grads = torch.autograd.grad(
+                loss, [xd, Wd], distribute_tensor(up, mesh, loss.placements)
+            )
+            failures.check(f"{what} loss", loss, one)
+            for n, got, want in zip(("input", "weight"), grads, one_g, strict=True):
+                failures.check(f"{what} grad_{n}", got, want)
+    return failures
+
+
 def _check_module(rank, world, mesh, classes) -> list[str]:
     """LinearCrossEntropyLoss whose parameters are split along the vocabulary."""
     failures = _Failures()
@@ -494,6 +544,7 @@ def _checks(world: int) -> dict[str, Callable[[int], list[str]]]:
             "token": lambda r: _check_token_heads(r, 2, mesh, 101),
             "module": lambda r: _check_module(r, 2, mesh, 101),
             "plain_head": lambda r: _check_plain_head_with_split_rows(r, 2, mesh),
+            "divergence": lambda r: _check_divergence_hook(r, 2, mesh, 101),
             "tp_example": lambda r: _check_tensor_parallel_example(r, 2, mesh),
             "count": lambda r: _count_communication(r, 2, mesh),
         }
@@ -570,6 +621,13 @@ def test_2d_mesh_data_and_tensor_parallel(world4):
 def test_token_heads(request, world):
     """token_logprobs and token_objective with a split head and/or split rows."""
     assert request.getfixturevalue(world)["token"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hook_on_linear_divergence(world2):
+    """accepts_dtensors on linear_divergence (the one line its module would add)."""
+    assert world2["divergence"] == []
 
 
 @pytest.mark.slow
