@@ -40,6 +40,7 @@ __all__ = [
     "check_token_call",
     "check_token_weight",
     "check_z_loss",
+    "shifted_target",
     "to_rows",
     "with_scales",
 ]
@@ -350,7 +351,7 @@ def check_shift_shape(shift: int, shapes: Shapes) -> None:
         _fail("shift cannot be combined with K-dimensional loss")
 
 
-def _shifted_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
+def shifted_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
     """Labels moved ``shift`` places left along the sequence (last leading) dimension,
     the vacated positions set to ``ignore_index``; the hidden states stay untouched."""
     length = target.shape[-1]
@@ -431,7 +432,7 @@ def check_call(
 
     resolved_ignore = DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index
     if shift:
-        target = _shifted_target(target, shift, resolved_ignore)
+        target = shifted_target(target, shift, resolved_ignore)
     flat_input, flat_weight, flat_target, flat_bias, flat_token_weight = to_rows(
         shapes, input, linear_weight, target, linear_bias, token_weight, probability_target
     )

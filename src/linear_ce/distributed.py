@@ -35,6 +35,10 @@ the same chunks):
 - one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
   not given (see :func:`shard_layout` to do it once and pass the result).
 
+:func:`vocab_parallel_token_logprobs` and :func:`vocab_parallel_token_objective` do the same
+for the per-token heads. DTensor arguments of the public functions reach these functions
+through :mod:`linear_ce.dtensor`.
+
 Only ``torch.distributed`` collectives are used, so any backend that
 implements all_reduce (MAX, SUM) and all_gather works: gloo for CPU tensors,
 NCCL for CUDA tensors.
@@ -43,6 +47,7 @@ NCCL for CUDA tensors.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +56,7 @@ from torch.autograd.function import once_differentiable
 from linear_ce.arguments import Call, check_call, check_token_call, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.divergence import DivergenceCall, check_divergence_call
+from linear_ce.functional import reported_dtype
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobHead
 from linear_ce.ops import _check_targets, hand_over_gradients
@@ -59,6 +65,7 @@ from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.token_logprobs import TokenLogprobs
+from linear_ce.token_objective import objective_loss
 from linear_ce.transform import check_scales
 
 __all__ = [
@@ -67,6 +74,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_linear_divergence",
     "vocab_parallel_token_logprobs",
+    "vocab_parallel_token_objective",
 ]
 
 _NAME = "vocab_parallel_linear_cross_entropy"
@@ -144,7 +152,9 @@ def _reject_dtensors(**tensors: torch.Tensor | None) -> None:
     for name, value in tensors.items():
         if isinstance(value, DTensor):
             raise TypeError(
-                f"{_NAME}: {name} is a DTensor, which is not supported; pass plain tensors: "
+                f"{_NAME}: {name} is a DTensor, which these functions do not take; pass the "
+                "DTensors to linear_ce.linear_cross_entropy (token_logprobs, token_objective) "
+                "itself, which lays them out on their mesh, or pass plain tensors here: "
                 "the local vocabulary shard linear_weight.to_local() (and linear_bias.to_local()) "
                 "of a weight sharded on dim 0, the replicated input, target, weight and "
                 "token_weight as local tensors (.to_local() / .full_tensor()), and "
@@ -189,6 +199,7 @@ class _Spec:
     shard: VocabShard
     needs: tuple[bool, bool, bool]
     allow_retain_graph: bool
+    loss_dtype: torch.dtype
 
 
 def _with(call: Call, input, weight, bias) -> Call:
@@ -215,13 +226,13 @@ class _VocabParallelLoss(torch.autograd.Function):
             if grads.input is not None:
                 shard.sum_(grads.input)
             ctx.grads = [grads.input, grads.weight, grads.bias]
-            loss = terms.reduce(head.row_loss).to(input.dtype)
+            loss = terms.reduce(head.row_loss).to(spec.loss_dtype)
             z_term = terms.reduce(terms.z_rows(head.lse))
         else:
             ctx.save_for_backward(
                 input.detach(), weight.detach(), None if bias is None else bias.detach()
             )
-            loss = head.row_loss.to(input.dtype)
+            loss = head.row_loss.to(spec.loss_dtype)
             z_term = terms.z_rows(head.lse)
         ctx.mark_non_differentiable(z_term, head.lse)
         return loss, z_term, head.lse
@@ -273,6 +284,7 @@ def vocab_parallel_linear_cross_entropy(
     token_weight: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     temperature: float = 1.0,
+    loss_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r""":func:`linear_ce.linear_cross_entropy` with the weight sharded along the vocabulary.
 
@@ -305,7 +317,7 @@ def vocab_parallel_linear_cross_entropy(
         linear_bias: this rank's bias shard ``(V_r, d1, …, dK)`` or ``None``.
         weight: class weights of the whole vocabulary ``(num_classes,)``.
         reduction, ignore_index, label_smoothing, options, z_loss, return_z_loss,
-        return_lse, softcap, shift, token_weight, logit_scale, temperature: as in
+        return_lse, softcap, shift, token_weight, logit_scale, temperature, loss_dtype: as in
             :func:`linear_ce.linear_cross_entropy`; ``options`` must be the same
             on every rank (the chunk size is planned from ``⌈num_classes / world⌉``
             so that every rank runs the same number of chunks).
@@ -381,6 +393,7 @@ def vocab_parallel_linear_cross_entropy(
         shard=VocabShard(vocab_start, num_classes, process_group),
         needs=needs,
         allow_retain_graph=options.allow_retain_graph,
+        loss_dtype=reported_dtype(call.input, options, loss_dtype),
     )
     loss, z_term, lse = _VocabParallelLoss.apply(
         call.input, call.linear_weight, call.linear_bias, spec
@@ -732,3 +745,72 @@ def vocab_parallel_linear_divergence(
     )
     loss = _VocabParallelDivergence.apply(call.input, call.linear_weight, call.linear_bias, spec)
     return loss if reduction != "none" else loss.view(call.loss_shape)
+
+
+def vocab_parallel_token_objective(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[..., torch.Tensor],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+    **token_tensors: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`linear_ce.token_objective` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input``, ``target`` and side inputs; the row statistics are combined as in
+    :func:`vocab_parallel_token_logprobs` (two all_reduce per chunk of valid rows, the
+    entropy's sum riding in the SUM one), so every rank evaluates ``objective`` on the same
+    log-probabilities and gets the same loss, equal to ``token_objective`` on the full
+    weight. The gradients are computed in forward; one all_reduce sums the input gradient
+    over the group, and backward communicates nothing.
+
+    Example (under ``torchrun``)::
+
+        >>> loss = vocab_parallel_token_objective(
+        ...     hidden, shard, ids, obj.clipped_policy_gradient(0.2), shift=True,
+        ...     old_logprob=old, advantage=adv, weight=mask / mask.sum(),
+        ... )
+    """
+    name = "vocab_parallel_token_objective"
+    _reject_dtensors(
+        input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias
+    )
+    if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
+        raise ValueError(
+            f"{name}: linear_weight must be this rank's shard (V_local, in_features), got "
+            f"{getattr(linear_weight, 'shape', type(linear_weight).__name__)}"
+        )
+    _require_group(process_group)
+    vocab_start, num_classes = _layout(linear_weight, process_group, vocab_start, num_classes)
+    world = dist.get_world_size(process_group)
+    return objective_loss(
+        name,
+        input,
+        linear_weight,
+        target,
+        objective,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        entropy=entropy,
+        options=options,
+        side=token_tensors,
+        vocab=VocabShard(vocab_start, num_classes, process_group),
+        num_classes=num_classes,
+        planned_classes=-(-num_classes // world),
+    )

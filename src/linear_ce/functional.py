@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from linear_ce.arguments import check_call, with_scales
+from linear_ce.dtensor import accepts_dtensors
 from linear_ce.ops import chunked_rows, chunked_scalar
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import acc_dtype_for
+from linear_ce.rows import mean_denominator
 from linear_ce.transform import check_scales
 
 __all__ = ["linear_cross_entropy", "reported_dtype"]
@@ -51,6 +55,31 @@ def reported_dtype(
     return loss_dtype
 
 
+def _mean_denominator(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
+    """What "mean" divides this rank's summed loss by, from its rows of the call."""
+    call = check_call(
+        arguments["input"],
+        arguments["linear_weight"],
+        arguments["target"],
+        linear_bias=arguments["linear_bias"],
+        weight=arguments["weight"],
+        reduction="sum",
+        ignore_index=arguments["ignore_index"],
+        label_smoothing=arguments["label_smoothing"],
+        shift=arguments["shift"],
+        token_weight=arguments["token_weight"],
+        num_classes=num_classes,
+    )
+    return mean_denominator(call)
+
+
+@accepts_dtensors(
+    rows=("input", "target", "token_weight"),
+    heads=("linear_weight", "linear_bias"),
+    whole=("weight",),
+    vocab_parallel="vocab_parallel_linear_cross_entropy",
+    mean=_mean_denominator,
+)
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

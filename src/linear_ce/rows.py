@@ -37,7 +37,7 @@ import torch
 
 from linear_ce.arguments import Call
 
-__all__ = ["RowTerms", "row_terms"]
+__all__ = ["RowTerms", "mean_denominator", "row_terms", "row_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,29 @@ def _weighted_target_sum(
     return out
 
 
+def row_weights(
+    call: Call, acc_dtype: torch.dtype, class_weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The row weights :math:`\\omega` ``(N, P)`` in ``acc_dtype``: the class weight of the
+    target (one without class weights), zero on ignored rows; one per row for probability
+    targets. ``class_weight`` is ``call.class_weight`` already in ``acc_dtype``, if at hand."""
+    rows, positions = call.input.shape[0], call.linear_weight.shape[1]
+    if call.probability_target:
+        return torch.ones((rows, positions), dtype=acc_dtype, device=call.input.device)
+    if class_weight is None and call.class_weight is not None:
+        class_weight = call.class_weight.to(acc_dtype)
+    valid = call.target != call.ignore_index
+    omega = valid.to(acc_dtype)
+    if class_weight is not None:
+        omega = omega * class_weight[torch.where(valid, call.target, 0).long()]
+    return omega
+
+
+def mean_denominator(call: Call, acc_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """:math:`\\sum_i \\omega_i`, what ``reduction="mean"`` divides the summed loss by."""
+    return row_weights(call, acc_dtype).sum()
+
+
 def row_terms(
     call: Call,
     acc_dtype: torch.dtype,
@@ -114,10 +137,10 @@ def row_terms(
     class_weight = None if call.class_weight is None else call.class_weight.to(acc_dtype)
     weight_total = float(num_classes) if class_weight is None else class_weight.sum()
 
+    omega = row_weights(call, acc_dtype, class_weight)
     if call.probability_target:
         target = None
         valid = torch.ones((rows, positions), dtype=torch.bool, device=device)
-        omega = torch.ones((rows, positions), dtype=acc_dtype, device=device)
         alpha = torch.zeros_like(omega)
         weighted_q = _weighted_target_sum(call.target, class_weight, acc_dtype)
         A = (1.0 - eps) * weighted_q + (eps / num_classes) * weight_total
@@ -125,9 +148,6 @@ def row_terms(
     else:
         valid = call.target != call.ignore_index
         target = torch.where(valid, call.target, 0).long()
-        omega = valid.to(acc_dtype)
-        if class_weight is not None:
-            omega = omega * class_weight[target]
         alpha = (1.0 - eps) * omega
         A = alpha + (eps / num_classes) * weight_total * valid.to(acc_dtype)
         beta, gamma = (eps / num_classes) * valid.to(acc_dtype), 0.0

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from linear_ce.arguments import check_token_call
+from linear_ce.dtensor import accepts_dtensors
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 
@@ -28,6 +29,11 @@ class TokenLogprobs(NamedTuple):
     top1: torch.Tensor | None
 
 
+@accepts_dtensors(
+    rows=("input", "target"),
+    heads=("linear_weight", "linear_bias"),
+    vocab_parallel="vocab_parallel_token_logprobs",
+)
 def token_logprobs(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

@@ -10,28 +10,38 @@ from torch.autograd.function import once_differentiable
 
 from linear_ce.arguments import Call, check_token_call
 from linear_ce.chunked import run_chunks, tiles_for
+from linear_ce.dtensor import accepts_dtensors
 from linear_ce.losses.token_objective import ObjectiveHead
 from linear_ce.ops import check_class_indices, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.plan import acc_dtype_for, make_plan
+from linear_ce.vocab import LocalVocab
 
-__all__ = ["token_objective"]
+__all__ = ["objective_loss", "token_objective"]
 
 _NAME = "token_objective"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
+    name: str
     call: Call
     objective: Callable[..., torch.Tensor]
     entropy: bool
     side: dict[str, torch.Tensor]
     options: LinearCrossEntropyOptions
     needs: tuple[bool, bool, bool]
+    vocab: LocalVocab
+    planned_classes: int
 
 
 class _TokenObjective(torch.autograd.Function):
-    """Forward runs the loop once and computes the gradients; backward scales them."""
+    """Forward runs the loop once and computes the gradients; backward scales them.
+
+    With a vocab-parallel ``spec.vocab`` (:class:`linear_ce.distributed.VocabShard`) the
+    weight is this rank's shard: the loop combines the row statistics over the group, so
+    every rank evaluates the objective on the same log-probabilities, and the input
+    gradient is summed over the group."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, spec: _Spec):
@@ -40,19 +50,19 @@ class _TokenObjective(torch.autograd.Function):
         head = ObjectiveHead(
             call.target.long(),
             call.target != call.ignore_index,
-            0,
+            spec.vocab.start,
             weight.shape[0],
             acc,
             objective=spec.objective,
             entropy=spec.entropy,
             side=spec.side,
-            name=_NAME,
+            name=spec.name,
         )
         rows, in_features = input.shape
         plan = make_plan(
             rows,
             in_features,
-            weight.shape[0],
+            spec.planned_classes,
             input.dtype,
             input.device,
             spec.options,
@@ -69,7 +79,10 @@ class _TokenObjective(torch.autograd.Function):
             grad_input=need_x,
             grad_weight=need_w,
             grad_bias=need_b,
+            vocab=spec.vocab,
         )
+        if grads.input is not None:
+            spec.vocab.sum_(grads.input)
         ctx.grads = [grads.input, grads.weight, grads.bias]
         ctx.needs = spec.needs
         ctx.allow_retain_graph = spec.options.allow_retain_graph
@@ -83,39 +96,45 @@ class _TokenObjective(torch.autograd.Function):
 
 
 def _side_inputs(
-    side: dict[str, torch.Tensor], target: torch.Tensor, input: torch.Tensor
+    side: dict[str, torch.Tensor], target: torch.Tensor, input: torch.Tensor, name: str
 ) -> dict[str, torch.Tensor]:
     checked = {}
-    for name, value in side.items():
+    for key, value in side.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(
-                f"{_NAME}: side input {name} must be a tensor of the target's shape "
+                f"{name}: side input {key} must be a tensor of the target's shape "
                 f"{tuple(target.shape)}, got {type(value).__name__}"
             )
         if value.requires_grad:
             raise ValueError(
-                f"{_NAME}: side input {name} requires grad; side inputs are data (old or "
+                f"{name}: side input {key} requires grad; side inputs are data (old or "
                 f"reference log-probs, advantages, weights) and get no gradient: pass "
-                f"{name}.detach()"
+                f"{key}.detach()"
             )
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(
-                f"{_NAME}: side input {name} must have the target's shape "
+                f"{name}: side input {key} must have the target's shape "
                 f"{tuple(target.shape)}, got {tuple(value.shape)}"
             )
         if not value.is_floating_point():
             raise ValueError(
-                f"{_NAME}: side input {name} must be a floating tensor, got {value.dtype}"
+                f"{name}: side input {key} must be a floating tensor, got {value.dtype}"
             )
         if value.device != input.device:
             raise ValueError(
-                f"{_NAME}: side input {name} is on {value.device}, the input on {input.device}"
+                f"{name}: side input {key} is on {value.device}, the input on {input.device}"
             )
-        checked[name] = value
+        checked[key] = value
     return checked
 
 
 @torch.compiler.disable
+@accepts_dtensors(
+    rows=("input", "target"),
+    heads=("linear_weight", "linear_bias"),
+    per_token_keywords=True,
+    vocab_parallel="vocab_parallel_token_objective",
+)
 def token_objective(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -166,12 +185,54 @@ def token_objective(
         ... )
         >>> loss.backward()
     """
-    if not callable(objective):
-        raise ValueError(f"{_NAME}: objective must be callable, got {type(objective).__name__}")
-    if getattr(objective, "needs_entropy", False) and entropy is False:
-        raise ValueError(f"{_NAME}: objective {objective!r} reads the entropy; pass entropy=True")
-    call = check_token_call(
+    return objective_loss(
         _NAME,
+        input,
+        linear_weight,
+        target,
+        objective,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        entropy=entropy,
+        options=options,
+        side=token_tensors,
+    )
+
+
+def objective_loss(
+    name: str,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[..., torch.Tensor],
+    *,
+    linear_bias: torch.Tensor | None,
+    ignore_index: int,
+    shift: bool | int,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    entropy: bool,
+    options: LinearCrossEntropyOptions | None,
+    side: dict[str, torch.Tensor],
+    vocab: LocalVocab | None = None,
+    num_classes: int | None = None,
+    planned_classes: int | None = None,
+) -> torch.Tensor:
+    """:func:`token_objective` (errors name ``name``); ``vocab``, ``num_classes`` and
+    ``planned_classes`` (the classes per rank the chunk size is planned for) describe a
+    vocab-parallel shard (:func:`linear_ce.distributed.vocab_parallel_token_objective`);
+    ``None`` means the whole vocabulary in ``linear_weight``."""
+    if not callable(objective):
+        raise ValueError(f"{name}: objective must be callable, got {type(objective).__name__}")
+    if getattr(objective, "needs_entropy", False) and entropy is False:
+        raise ValueError(f"{name}: objective {objective!r} reads the entropy; pass entropy=True")
+    call = check_token_call(
+        name,
         input,
         linear_weight,
         target,
@@ -182,15 +243,18 @@ def token_objective(
         logit_scale=logit_scale,
         softcap=softcap,
         flags={"entropy": entropy},
+        num_classes=num_classes,
     )
-    check_class_indices(call.target, call.ignore_index, call.linear_weight.shape[0], _NAME)
-    side = _side_inputs(token_tensors, target, input)
-    options = resolve_options(options, _NAME)
+    classes = call.linear_weight.shape[0] if num_classes is None else num_classes
+    check_class_indices(call.target, call.ignore_index, classes, name)
+    checked_side = _side_inputs(side, target, input, name)
+    options = resolve_options(options, name)
     rows = call.input.shape[0]
     acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
-    flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in side.items()}
+    flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in checked_side.items()}
     grad_on = torch.is_grad_enabled()
     spec = _Spec(
+        name=name,
         call=call,
         objective=objective,
         entropy=entropy,
@@ -201,5 +265,7 @@ def token_objective(
             grad_on and call.linear_weight.requires_grad,
             grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
         ),
+        vocab=LocalVocab() if vocab is None else vocab,
+        planned_classes=call.linear_weight.shape[0] if planned_classes is None else planned_classes,
     )
     return _TokenObjective.apply(call.input, call.linear_weight, call.linear_bias, spec)
