@@ -47,6 +47,7 @@ def _check(rank: int, world: int) -> list[str]:
         dict(beta=0.0, reduction="mean", hard_weight=0.5),
         dict(beta=1.0, reduction="sum", temperature=0.7, student_softcap=3.0),
         dict(beta=0.5, reduction="none", hard_weight=0.2, temperature=1.5, shift=True),
+        dict(beta=0.0, reduction="mean", return_entropy=True),
     ]
     for kw in cases:
         up = torch.randn(2, 19, generator=g) if kw["reduction"] == "none" else None
@@ -78,9 +79,13 @@ def _check(rank: int, world: int) -> list[str]:
             options=options,
             **kw,
         )
+        pairs = {}
+        if kw.get("return_entropy"):
+            (out, pairs["entropy"]), (ref, ref_entropy) = out, ref
+            pairs["entropy"] = (pairs["entropy"], ref_entropy)
         (out if up is None else out * up).sum().backward()
         (ref if up is None else ref * up).sum().backward()
-        pairs = {
+        pairs |= {
             "loss": (out, ref),
             "grad_input": (leaves[0].grad, full[0].grad),
             "grad_weight": (leaves[1].grad, full[1].grad[mine]),

@@ -265,29 +265,12 @@ def _check_token_heads(rank, world, mesh, classes) -> list[str]:
     return failures
 
 
-def _divergence_denominator(arguments, num_classes):
-    """The tokens a "mean" distillation loss divides by, on this rank's rows."""
-    from linear_ce.divergence import check_divergence_call
-
-    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
-    keywords = {k: v for k, v in arguments.items() if k not in (*names, "options")}
-    checked = check_divergence_call(
-        "linear_divergence", *(arguments[k] for k in names), **keywords, num_classes=num_classes
-    )
-    return (checked.call.target != checked.call.ignore_index).sum()
-
-
 def _check_divergence_hook(rank, world, mesh, classes) -> list[str]:
-    """The hook on linear_divergence, as its module would declare it: both heads split
-    alike, the student's and the teacher's hidden states and the labels as rows."""
+    """linear_divergence on DTensors: both heads split alike, the student's and the
+    teacher's hidden states and the labels as rows."""
     from linear_ce.divergence import linear_divergence
 
-    on_mesh = accepts_dtensors(
-        rows=("student_input", "teacher_input", "target"),
-        heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
-        vocab_parallel="vocab_parallel_linear_divergence",
-        mean=_divergence_denominator,
-    )(linear_divergence)
+    on_mesh = linear_divergence
     failures = _Failures()
     g = torch.Generator().manual_seed(13)
     x, xt = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 12, generator=g)

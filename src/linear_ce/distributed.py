@@ -583,9 +583,12 @@ class _DivergenceSpec:
     options: LinearCrossEntropyOptions
     plan_classes: int
     needs: tuple[bool, bool, bool]
+    entropy: bool
 
 
-def _shard_divergence(spec: _DivergenceSpec, input, weight, bias, row_weight, needs):
+def _shard_divergence(
+    spec: _DivergenceSpec, input, weight, bias, row_weight, needs, entropy: bool = False
+):
     checked, call = spec.checked, spec.checked.call
     head, grads = run_divergence(
         input,
@@ -599,7 +602,7 @@ def _shard_divergence(spec: _DivergenceSpec, input, weight, bias, row_weight, ne
         hard_weight=checked.hard_weight,
         transform=call.transform,
         teacher_transform=checked.teacher_transform,
-        entropy=False,
+        entropy=entropy,
         options=spec.options,
         needs=needs,
         vocab=spec.shard,
@@ -621,23 +624,31 @@ class _VocabParallelDivergence(torch.autograd.Function):
         reduction = spec.checked.reduction
         ctx.spec = spec
         if reduction == "none":
-            head, _ = _shard_divergence(spec, input, weight, bias, None, (False, False, False))
+            head, _ = _shard_divergence(
+                spec, input, weight, bias, None, (False, False, False), spec.entropy
+            )
             ctx.save_for_backward(
                 input.detach(), weight.detach(), None if bias is None else bias.detach()
             )
-            return head.loss
-        row_weight = valid.to(acc_dtype_for(input.dtype, spec.options.acc_dtype))
-        count = valid.sum()
-        if reduction == "mean":
-            row_weight = row_weight / count
-        head, grads = _shard_divergence(spec, input, weight, bias, row_weight, spec.needs)
-        ctx.grads = [grads.input, grads.weight, grads.bias]
-        loss = head.loss.sum()
-        return loss / count if reduction == "mean" else loss
+            loss = head.loss
+        else:
+            row_weight = valid.to(acc_dtype_for(input.dtype, spec.options.acc_dtype))
+            count = valid.sum()
+            if reduction == "mean":
+                row_weight = row_weight / count
+            head, grads = _shard_divergence(
+                spec, input, weight, bias, row_weight, spec.needs, spec.entropy
+            )
+            ctx.grads = [grads.input, grads.weight, grads.bias]
+            loss = head.loss.sum()
+            loss = loss / count if reduction == "mean" else loss
+        entropy = head.entropy if spec.entropy else loss.new_empty((0,))
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_entropy):
         spec: _DivergenceSpec = ctx.spec
         if spec.checked.reduction != "none":
             scaled = hand_over_gradients(
@@ -672,8 +683,9 @@ def vocab_parallel_linear_divergence(
     shift: bool | int = False,
     reduction: str = "mean",
     hard_weight: float = 0.0,
+    return_entropy: bool = False,
     options: LinearCrossEntropyOptions | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_ce.linear_divergence` with both heads sharded along the vocabulary
     the same way.
 
@@ -728,6 +740,8 @@ def vocab_parallel_linear_divergence(
         num_classes=num_classes,
     )
     call = checked.call
+    if not isinstance(return_entropy, bool):
+        raise ValueError(f"{name}: return_entropy must be a bool, got {return_entropy!r}")
     if checked.hard_weight > 0.0:
         _check_targets(call, num_classes)
     options = resolve_options(options, name)
@@ -742,9 +756,14 @@ def vocab_parallel_linear_divergence(
             grad_on and call.linear_weight.requires_grad,
             grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
         ),
+        return_entropy,
     )
-    loss = _VocabParallelDivergence.apply(call.input, call.linear_weight, call.linear_bias, spec)
-    return loss if reduction != "none" else loss.view(call.loss_shape)
+    loss, entropy = _VocabParallelDivergence.apply(
+        call.input, call.linear_weight, call.linear_bias, spec
+    )
+    if reduction == "none":
+        loss = loss.view(call.loss_shape)
+    return (loss, entropy.view(call.loss_shape)) if return_entropy else loss
 
 
 def vocab_parallel_token_objective(

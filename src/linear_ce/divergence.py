@@ -8,6 +8,7 @@ import math
 import torch
 
 from linear_ce.arguments import Call, check_softcap, check_token_call
+from linear_ce.dtensor import accepts_dtensors
 from linear_ce.ops_divergence import divergence
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.plan import acc_dtype_for
@@ -177,6 +178,25 @@ def check_divergence_call(
     return DivergenceCall(call, teacher, teacher_transform, beta, hard_weight, reduction)
 
 
+def _mean_denominator(arguments: dict, num_classes: int) -> torch.Tensor:
+    """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
+    split along rows)."""
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
+    keywords = {
+        k: v for k, v in arguments.items() if k not in (*names, "options", "return_entropy")
+    }
+    checked = check_divergence_call(
+        _NAME, *(arguments.get(k) for k in names), **keywords, num_classes=num_classes
+    )
+    return (checked.call.target != checked.call.ignore_index).sum()
+
+
+@accepts_dtensors(
+    rows=("student_input", "teacher_input", "target"),
+    heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
+    vocab_parallel="vocab_parallel_linear_divergence",
+    mean=_mean_denominator,
+)
 def linear_divergence(
     student_input: torch.Tensor,
     student_weight: torch.Tensor,
