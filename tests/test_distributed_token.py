@@ -41,7 +41,15 @@ def _check(rank: int, world: int) -> list[str]:
     up_lp, up_h = torch.randn(2, 23, generator=g), torch.randn(2, 23, generator=g)
     sizes = [len(p) for p in torch.arange(V).tensor_split(world)]
     start = sum(sizes[:rank])
-    kw = dict(shift=True, temperature=0.8, softcap=4.0, entropy=True, top1=True)
+    kw = dict(
+        shift=True,
+        temperature=0.8,
+        softcap=4.0,
+        entropy=True,
+        top1=True,
+        log_sum_sq_prob=True,
+        mean_logit=True,
+    )
     options = linear_ce.LinearCrossEntropyOptions(batch_chunk_size=8)
 
     xs = x.clone().requires_grad_()
@@ -58,6 +66,8 @@ def _check(rank: int, world: int) -> list[str]:
     pairs = {
         "logprob": (out.logprob, ref.logprob),
         "entropy": (out.entropy, ref.entropy),
+        "log_sum_sq_prob": (out.log_sum_sq_prob, ref.log_sum_sq_prob),
+        "mean_logit": (out.mean_logit, ref.mean_logit),
         "grad_input": (xs.grad, xr.grad),
         "grad_weight": (Ws.grad, Wr.grad[start : start + sizes[rank]]),
         "grad_bias": (bs.grad, br.grad[start : start + sizes[rank]]),
@@ -67,6 +77,37 @@ def _check(rank: int, world: int) -> list[str]:
             failures.append(f"rank {rank}/{world} {name}: {_rel(got, want):.3g}")
     if not torch.equal(out.top1, ref.top1):
         failures.append(f"rank {rank}/{world} top1 differs")
+    return failures + _check_ties(rank, world, sizes)
+
+
+def _check_ties(rank: int, world: int, sizes: list[int]) -> list[str]:
+    """Both top-1 rules where the maximum ties across a shard boundary: integer inputs
+    make every logit exact, the class before and after each boundary are the same row."""
+    g = torch.Generator().manual_seed(5)
+    V = sum(sizes)
+    W = torch.randint(-3, 4, (V, 16), generator=g).float()
+    x = torch.randint(-2, 3, (40, 16), generator=g).float()
+    bounds = [sum(sizes[: r + 1]) for r in range(world - 1)]
+    for i, bound in enumerate(bounds):
+        W[bound - 1] = W[bound] = 0
+        x[4 * i : 4 * i + 4] = 0
+        W[bound - 1, 0] = W[bound, 0] = 9.0
+        x[4 * i : 4 * i + 4, 0] = 1.0
+    t = torch.randint(0, V, (40,), generator=g)
+    for i, bound in enumerate(bounds):
+        t[4 * i : 4 * i + 4] = torch.tensor([bound - 1, bound, bound - 1, bound])
+    start = sum(sizes[:rank])
+    shard = W[start : start + sizes[rank]]
+    s = x.double() @ W.double().T
+    want = {
+        "argmax": s.argmax(-1) == t,
+        "unique": (s.argmax(-1) == t) & ((s == s.amax(-1, keepdim=True)).sum(-1) == 1),
+    }
+    failures = []
+    for rule, expected in want.items():
+        got = vocab_parallel_token_logprobs(x, shard, t, top1=True, top1_rule=rule).top1
+        if not torch.equal(got, expected):
+            failures.append(f"rank {rank}/{world} top1_rule={rule} differs at ties")
     return failures
 
 

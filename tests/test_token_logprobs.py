@@ -201,10 +201,96 @@ def test_top1_ties_are_false():
     assert out.top1.tolist() == [False, True, False]
 
 
+def _plain_statistics(x, W, b, t, *, shift, temperature, logit_scale, softcap):
+    """``(log Σ p², mean logit, argmax == target)`` of the full logits, zero where ignored."""
+    k = int(shift)
+    h = x[:, : T - k] if k else x
+    labels = t[:, k:] if k else t
+    s = h @ W.T
+    if b is not None:
+        s = s + b
+    s = s * logit_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s / temperature
+    p = torch.softmax(s, dim=-1)
+    valid = labels != -100
+    pad = (0, k)
+    return (
+        torch.nn.functional.pad(torch.where(valid, (p * p).sum(-1).log(), 0.0), pad),
+        torch.nn.functional.pad(torch.where(valid, s.mean(-1), 0.0), pad),
+        torch.nn.functional.pad(valid & (s.argmax(-1) == labels), pad),
+    )
+
+
+@pytest.mark.parametrize(
+    ("transform", "shift", "bias", "pattern"),
+    list(itertools.product(TRANSFORMS, (False, True), (False, True), ("none", "random"))),
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_statistics_match_plain_expression(transform, shift, bias, pattern, dtype):
+    """``log_sum_sq_prob``, ``mean_logit`` and the argmax rule of ``top1``, with logprob and
+    entropy in the same pass; their gradients are those of logprob and entropy alone."""
+    x, W, b, t, up_lp, up_h = _inputs(5, bias, pattern)
+    kw = TRANSFORMS[transform]
+    leaves = _leaves(x, W, b, dtype)
+    out = linear_ce.token_logprobs(
+        *leaves[:2],
+        t,
+        linear_bias=leaves[2],
+        shift=shift,
+        entropy=True,
+        top1=True,
+        top1_rule="argmax",
+        log_sum_sq_prob=True,
+        mean_logit=True,
+        options=CHUNK,
+        **kw,
+    )
+    ref_leaves = _leaves(x, W, b, torch.float64)
+    sq, mean, top1 = _plain_statistics(*ref_leaves[:2], ref_leaves[2], t, shift=shift, **kw)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.log_sum_sq_prob.dtype == acc and out.mean_logit.dtype == acc
+    assert not out.log_sum_sq_prob.requires_grad and not out.mean_logit.requires_grad
+    # A difference of O(1) terms (log Σe² − 2 log Z, m + Σu/V): a few eps of them.
+    for got, want in ((out.log_sum_sq_prob, sq), (out.mean_logit, mean)):
+        scale = max(torch.linalg.vector_norm(want).item(), want.numel() ** 0.5)
+        assert torch.linalg.vector_norm(got.double() - want).item() <= 8 * eps(dtype) * scale
+    assert torch.equal(out.top1, top1)
+    got_grads = _grads(out, leaves, up_lp, up_h, FLOWS["both"])
+    plain = linear_ce.token_logprobs(
+        *leaves[:2], t, linear_bias=leaves[2], shift=shift, entropy=True, options=CHUNK, **kw
+    )
+    torch.testing.assert_close(out.logprob, plain.logprob, rtol=0, atol=0)
+    plain_grads = _grads(plain, leaves, up_lp, up_h, FLOWS["both"])
+    for got, want in zip(got_grads, plain_grads, strict=True):
+        assert got is None or torch.equal(got, want)
+
+
+def test_top1_argmax_rule_counts_a_tie_with_a_later_class_only():
+    W = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # classes 0 and 1 always tie
+    x = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 3.0], [1.0, 1.5]])
+    t = torch.tensor([0, 1, 2, 1])
+    out = linear_ce.token_logprobs(x, W, t, top1=True, top1_rule="argmax")
+    assert out.top1.tolist() == (x @ W.T).argmax(-1).eq(t).tolist() == [True, False, True, False]
+
+
+def test_statistics_are_not_differentiable():
+    x = torch.randn(3, 8, requires_grad=True)
+    W = torch.randn(4, 8, requires_grad=True)
+    out = linear_ce.token_logprobs(
+        x, W, torch.tensor([0, 1, 2]), log_sum_sq_prob=True, mean_logit=True
+    )
+    for value in (out.log_sum_sq_prob, out.mean_logit):
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            value.sum().backward()
+
+
 def test_outputs_not_asked_for_are_none_and_cost_no_gemm():
     x, W, _, t, *_ = _inputs(5, False, "none")
     out = linear_ce.token_logprobs(x.float(), W.float(), t)
     assert out.entropy is None and out.top1 is None and out.logprob.shape == t.shape
+    assert out.log_sum_sq_prob is None and out.mean_logit is None
 
 
 @given(
@@ -268,6 +354,8 @@ def test_compile_and_vmap():
         ({"logit_scale": float("inf")}, "logit_scale must be a finite float > 0"),
         ({"softcap": -1.0}, "softcap must be None or a finite float > 0"),
         ({"entropy": 1}, "entropy must be a bool"),
+        ({"mean_logit": "yes"}, "mean_logit must be a bool"),
+        ({"top1_rule": "first"}, r"top1_rule must be one of \('unique', 'argmax'\)"),
         ({"target": torch.tensor([0, 1, 99])}, "class index 99"),
     ],
 )

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import torch
 
+from linear_ce.losses.token_logprob import TOP1_RULES
 from linear_ce.transform import LogitTransform, check_scales
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "check_tensor_types",
     "check_token_call",
     "check_token_weight",
+    "check_top1_rule",
     "check_z_loss",
     "shifted_target",
     "to_rows",
@@ -500,3 +502,9 @@ def check_token_call(
     )
     check_scales(name, logit_scale, temperature)
     return with_scales(call, logit_scale, temperature)
+
+
+def check_top1_rule(name: str, top1_rule: str) -> None:
+    """``top1_rule`` must be ``"unique"`` or ``"argmax"``; errors name ``name``."""
+    if top1_rule not in TOP1_RULES:
+        raise ValueError(f"{name}: top1_rule must be one of {TOP1_RULES}, got {top1_rule!r}")

@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call, check_token_call, with_scales
+from linear_ce.arguments import Call, check_call, check_token_call, check_top1_rule, with_scales
 from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.divergence import DivergenceCall, check_divergence_call
 from linear_ce.functional import reported_dtype
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
-from linear_ce.losses.token_logprob import TokenLogprobHead
+from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.ops_divergence import run_divergence
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
@@ -414,8 +414,7 @@ class _TokenSpec:
     call: Call
     plan: Plan
     shard: VocabShard
-    entropy: bool
-    top1: bool
+    outputs: TokenOutputs
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -425,7 +424,8 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, spec: _TokenSpec):
         call, shard = spec.call, spec.shard
-        head = _token_head(call, shard, spec.plan, entropy=spec.entropy, top1=spec.top1)
+        asked = spec.outputs
+        head = _token_head(call, shard, spec.plan, outputs=asked)
         run_chunks(
             input,
             weight,
@@ -442,15 +442,22 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(
             input.detach(), weight.detach(), None if bias is None else bias.detach()
         )
-        entropy = head.entropy if spec.entropy else input.new_empty((0,), dtype=head.logprob.dtype)
-        top1 = head.top1 if spec.top1 else input.new_empty((0,), dtype=torch.bool)
-        ctx.mark_non_differentiable(top1)
+        acc = head.logprob.dtype
+
+        def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype) -> torch.Tensor:
+            return value if on else input.new_empty((0,), dtype=dtype)
+
+        entropy = given(head.entropy, asked.entropy, acc)
+        top1 = given(head.top1, asked.top1, torch.bool)
+        sq = given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc)
+        mean = given(head.mean_logit, asked.mean_logit, acc)
+        ctx.mark_non_differentiable(top1, sq, mean)
         ctx.set_materialize_grads(False)
-        return head.logprob, entropy, top1
+        return head.logprob, entropy, top1, sq, mean
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprob, grad_entropy, _grad_top1):
+    def backward(ctx, grad_logprob, grad_entropy, *_statistics):
         spec: _TokenSpec = ctx.spec
         input, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -460,8 +467,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             spec.call,
             spec.shard,
             spec.plan,
-            entropy=False,
-            top1=False,
+            outputs=TokenOutputs(),
             grad_logprob=grad_logprob,
             grad_entropy=grad_entropy,
         )
@@ -482,14 +488,15 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         return grads.input, grads.weight, grads.bias, None
 
 
-def _token_head(call: Call, shard: VocabShard, plan: Plan, **flags) -> TokenLogprobHead:
+def _token_head(call: Call, shard: VocabShard, plan: Plan, **kwargs) -> TokenLogprobHead:
     return TokenLogprobHead(
         call.target.long(),
         call.target != call.ignore_index,
         shard.start,
         call.linear_weight.shape[0],
         plan.acc_dtype,
-        **flags,
+        num_classes=shard.total,
+        **kwargs,
     )
 
 
@@ -509,6 +516,9 @@ def vocab_parallel_token_logprobs(
     softcap: float | None = None,
     entropy: bool = False,
     top1: bool = False,
+    top1_rule: str = "unique",
+    log_sum_sq_prob: bool = False,
+    mean_logit: bool = False,
     options: LinearCrossEntropyOptions | None = None,
 ) -> TokenLogprobs:
     """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
@@ -518,7 +528,8 @@ def vocab_parallel_token_logprobs(
     ``token_logprobs`` on the full weight. The row statistics are combined with the
     collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
     rows, in forward and again in backward, plus one all_reduce of the input gradient);
-    the entropy's and top-1's row sums ride in the same SUM all_reduce.
+    the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
+    the same SUM all_reduce.
 
     Example (under ``torchrun``)::
 
@@ -547,9 +558,15 @@ def vocab_parallel_token_logprobs(
         temperature=temperature,
         logit_scale=logit_scale,
         softcap=softcap,
-        flags={"entropy": entropy, "top1": top1},
+        flags={
+            "entropy": entropy,
+            "top1": top1,
+            "log_sum_sq_prob": log_sum_sq_prob,
+            "mean_logit": mean_logit,
+        },
         num_classes=num_classes,
     )
+    check_top1_rule(name, top1_rule)
     _check_targets(call, num_classes)
     rows, in_features = call.input.shape
     world = dist.get_world_size(process_group)
@@ -562,10 +579,9 @@ def vocab_parallel_token_logprobs(
         options,
         tiles=tiles_for(entropy, call.transform, True),
     )
-    spec = _TokenSpec(
-        call, plan, VocabShard(vocab_start, num_classes, process_group), entropy, top1
-    )
-    logprob, ent, is_top1 = _VocabParallelTokenLogprobs.apply(
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
+    spec = _TokenSpec(call, plan, VocabShard(vocab_start, num_classes, process_group), asked)
+    logprob, ent, is_top1, sq, mean = _VocabParallelTokenLogprobs.apply(
         call.input, call.linear_weight, call.linear_bias, spec
     )
     shape = call.loss_shape
@@ -573,6 +589,8 @@ def vocab_parallel_token_logprobs(
         logprob.view(shape),
         ent.view(shape) if entropy else None,
         is_top1.view(shape) if top1 else None,
+        sq.view(shape) if log_sum_sq_prob else None,
+        mean.view(shape) if mean_logit else None,
     )
 
 

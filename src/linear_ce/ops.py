@@ -422,7 +422,7 @@ def recomputed_gradients(
     """An op's backward result: the gradients of ``input``, ``linear_weight`` and
     ``linear_bias`` (argument slots 0, 1, 3) from the last three outputs of its
     recomputing call, where needed."""
-    for slot, output, need in zip((0, 1, 3), outputs[3:6], needs, strict=True):
+    for slot, output, need in zip((0, 1, 3), outputs[-3:], needs, strict=True):
         if need:
             slots[slot] = output
     return tuple(slots)

@@ -1,10 +1,12 @@
-"""``linear_ce::token_rows``: per-token log-probability, entropy and top-1 as a custom op.
+"""``linear_ce::token_rows``: per-token log-probability, entropy, top-1 and the other
+statistics of :class:`~linear_ce.losses.token_logprob.TokenOutputs` as a custom op.
 
 Forward runs the chunk loop with :class:`~linear_ce.losses.token_logprob.TokenLogprobHead`
 and no gradient GEMM; the upstream gradients of ``logprob`` and ``entropy`` are
 known only in backward, which reruns the loop with them (one more logits GEMM
 per chunk, no ``(N, V)`` state). An upstream gradient that does not flow (an
-output nobody differentiated) is ``None`` and costs nothing.
+output nobody differentiated) is ``None`` and costs nothing. ``log_sum_sq_prob``
+and ``mean_logit`` are statistics without a gradient (marked non-differentiable).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from linear_ce.chunked import Gradients, run_chunks, tiles_for
-from linear_ce.losses.token_logprob import TokenLogprobHead
+from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 from linear_ce.ops import (
     _gradient_outputs,
     _options,
@@ -38,8 +40,7 @@ def _head_and_grads(
     grad_entropy,
     ignore_index,
     transform,
-    entropy,
-    top1,
+    outputs,
     options,
     needs,
 ) -> tuple[TokenLogprobHead, Gradients]:
@@ -52,8 +53,7 @@ def _head_and_grads(
         0,
         linear_weight.shape[0],
         acc,
-        entropy=entropy,
-        top1=top1,
+        outputs=outputs,
         grad_logprob=grad_logprob,
         grad_entropy=grad_entropy,
     )
@@ -92,8 +92,7 @@ def token_rows(
     grad_entropy: torch.Tensor | None,
     ignore_index: int,
     transform: Sequence[float],
-    entropy: bool,
-    top1: bool,
+    outputs: str,
     batch_chunk_size: int | None,
     chunking_method: str | None,
     acc_policy: str,
@@ -101,9 +100,19 @@ def token_rows(
     need_grad_input: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Without upstream gradients: ``(logprob, entropy, top1)`` of shape ``(N, P)``
-    (``entropy``/``top1`` empty unless asked for) and three empty gradients. With
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """Without upstream gradients: ``(logprob, entropy, top1, log_sum_sq_prob,
+    mean_logit)`` of shape ``(N, P)`` (each but ``logprob`` empty unless ``outputs``,
+    a :meth:`TokenOutputs.encode` string, asks for it) and three empty gradients. With
     ``grad_logprob`` and/or ``grad_entropy`` ``(N, P)``: their vector-Jacobian product
     for input, weight and bias in the last three slots."""
     backward = grad_logprob is not None or grad_entropy is not None
@@ -113,6 +122,7 @@ def token_rows(
         backward and need_grad_bias,
     )
     options = _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype)
+    asked = TokenOutputs() if backward else TokenOutputs.decode(outputs)
     head, grads = _head_and_grads(
         input,
         linear_weight,
@@ -122,16 +132,21 @@ def token_rows(
         grad_entropy,
         ignore_index,
         transform,
-        entropy and not backward,
-        top1 and not backward,
+        asked,
         options,
         needs,
     )
     acc = head.logprob.dtype
+
+    def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype) -> torch.Tensor:
+        return value if on else input.new_empty((0,), dtype=dtype)
+
     return (
         head.logprob,
-        head.entropy if entropy and not backward else input.new_empty((0,), dtype=acc),
-        head.top1 if top1 and not backward else input.new_empty((0,), dtype=torch.bool),
+        given(head.entropy, asked.entropy, acc),
+        given(head.top1, asked.top1, torch.bool),
+        given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc),
+        given(head.mean_logit, asked.mean_logit, acc),
         *_gradient_outputs(grads, input),
     )
 
@@ -146,8 +161,7 @@ def _token_rows_fake(
     grad_entropy,
     ignore_index,
     transform,
-    entropy,
-    top1,
+    outputs,
     batch_chunk_size,
     chunking_method,
     acc_policy,
@@ -158,13 +172,16 @@ def _token_rows_fake(
 ):
     acc = acc_dtype_for(input.dtype, acc_dtype)
     backward = grad_logprob is not None or grad_entropy is not None
+    asked = TokenOutputs() if backward else TokenOutputs.decode(outputs)
     rows_shape = target.shape
     grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:-1])
     needs = (need_grad_input, need_grad_weight, need_grad_bias and linear_bias is not None)
     return (
         input.new_empty(rows_shape, dtype=acc),
-        input.new_empty(rows_shape if entropy and not backward else (0,), dtype=acc),
-        input.new_empty(rows_shape if top1 and not backward else (0,), dtype=torch.bool),
+        input.new_empty(rows_shape if asked.entropy else (0,), dtype=acc),
+        input.new_empty(rows_shape if asked.top1 else (0,), dtype=torch.bool),
+        input.new_empty(rows_shape if asked.log_sum_sq_prob else (0,), dtype=acc),
+        input.new_empty(rows_shape if asked.mean_logit else (0,), dtype=acc),
         *(
             input.new_empty(shape if backward and need else (0,))
             for shape, need in zip(grad_shapes, needs, strict=True)
@@ -174,6 +191,7 @@ def _token_rows_fake(
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[3], output[4])
     input, linear_weight, target, linear_bias = inputs[:4]
     ctx.save_for_backward(
         input.detach(),
@@ -181,7 +199,7 @@ def _setup_context(ctx, inputs, output):
         target,
         None if linear_bias is None else linear_bias.detach(),
     )
-    ctx.args = inputs[6:14]
+    ctx.args = inputs[6:13]
 
 
 def _backward(ctx, grad_logprob, grad_entropy, *_unused):
@@ -189,7 +207,7 @@ def _backward(ctx, grad_logprob, grad_entropy, *_unused):
     needs = ctx.needs_input_grad
     need_input, need_weight = needs[0], needs[1]
     need_bias = linear_bias is not None and needs[3]
-    result = [None] * 17
+    result = [None] * 16
     if (grad_logprob is None and grad_entropy is None) or not (
         need_input or need_weight or need_bias
     ):

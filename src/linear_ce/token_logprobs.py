@@ -1,4 +1,5 @@
-"""The public function ``token_logprobs``: per-token log-probabilities, entropy and top-1."""
+"""The public function ``token_logprobs``: per-token log-probabilities, entropy, top-1
+and two more statistics of each next-token distribution."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from linear_ce.arguments import check_token_call
+from linear_ce.arguments import check_token_call, check_top1_rule
 from linear_ce.dtensor import accepts_dtensors
+from linear_ce.losses.token_logprob import TokenOutputs
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 
@@ -19,14 +21,16 @@ _NAME = "token_logprobs"
 class TokenLogprobs(NamedTuple):
     """What :func:`token_logprobs` returns; each field has the target's shape.
 
-    ``logprob`` and ``entropy`` are in the accumulation dtype (float32 for
-    float16/bfloat16 inputs, float64 for float64); ``top1`` is bool. A field that was
-    not asked for is ``None``.
+    ``logprob``, ``entropy``, ``log_sum_sq_prob`` and ``mean_logit`` are in the
+    accumulation dtype (float32 for float16/bfloat16 inputs, float64 for float64);
+    ``top1`` is bool. A field that was not asked for is ``None``.
     """
 
     logprob: torch.Tensor
     entropy: torch.Tensor | None
     top1: torch.Tensor | None
+    log_sum_sq_prob: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
 
 
 @accepts_dtensors(
@@ -47,10 +51,14 @@ def token_logprobs(
     softcap: float | None = None,
     entropy: bool = False,
     top1: bool = False,
+    top1_rule: str = "unique",
+    log_sum_sq_prob: bool = False,
+    mean_logit: bool = False,
     options: LinearCrossEntropyOptions | None = None,
 ) -> TokenLogprobs:
-    r"""Log-probability of each target token, and optionally the entropy and top-1 of
-    each next-token distribution, without materialising the logits.
+    r"""Log-probability of each target token, and optionally the entropy, top-1, the log
+    of the summed squared probabilities and the mean logit of each next-token
+    distribution, without materialising the logits.
 
     With logits :math:`s = \mathrm{softcap}\big((x W^\top + b)\,\sigma\big) / T`
     (logit scale :math:`\sigma`, softcap :math:`c\tanh(\cdot/c)` if set,
@@ -59,13 +67,18 @@ def token_logprobs(
     .. math::
         \mathrm{logprob} = \log p_{t}, \qquad
         \mathrm{entropy} = -\sum_v p_v \log p_v, \qquad
-        \mathrm{top1} = [\,t = \arg\max_v s_v \text{ and the maximum is unique}\,].
+        \mathrm{top1} = [\,t = \arg\max_v s_v \text{ and the maximum is unique}\,],
+
+        \mathrm{log\_sum\_sq\_prob} = \log \sum_v p_v^2, \qquad
+        \mathrm{mean\_logit} = \frac{1}{V} \sum_v s_v.
 
     Equal to ``torch.log_softmax(s, -1).gather(-1, t)`` (and the entropy of the
     same distribution) computed over chunks of tokens: nothing of size ``N·V`` is
     ever held. Gradients flow to ``input``, ``linear_weight`` and ``linear_bias``
     from ``logprob`` and ``entropy`` (either may be unused: no work is done for a
     gradient that does not flow); the backward recomputes each chunk's logits.
+    ``log_sum_sq_prob`` and ``mean_logit`` are statistics without a gradient (as
+    ``top1``): differentiating them is an error.
     Tokens whose target is ``ignore_index`` take part in no GEMM; their outputs are
     ``0`` / ``False`` and their gradient is zero.
 
@@ -82,11 +95,17 @@ def token_logprobs(
         logit_scale: :math:`\sigma > 0`.
         softcap: :math:`c > 0` or ``None``.
         entropy: also return the entropy.
-        top1: also return whether the target is the unique argmax (not differentiable).
+        top1: also return whether the target is the argmax (not differentiable).
+        top1_rule: how ``top1`` treats ties at the maximum: ``"unique"`` (any tie is
+            ``False``) or ``"argmax"`` (``target == s.argmax(-1)``: torch's first-index
+            rule, as TRL and transformers' token accuracy count it).
+        log_sum_sq_prob: also return :math:`\log \sum_v p_v^2` (not differentiable).
+        mean_logit: also return the mean of the transformed logits :math:`s` over the
+            vocabulary (not differentiable).
         options: :class:`LinearCrossEntropyOptions` (chunking, precision).
 
     Returns:
-        :class:`TokenLogprobs` ``(logprob, entropy, top1)``.
+        :class:`TokenLogprobs` ``(logprob, entropy, top1, log_sum_sq_prob, mean_logit)``.
 
     Example (a policy-gradient loss with an entropy bonus)::
 
@@ -109,11 +128,18 @@ def token_logprobs(
         temperature=temperature,
         logit_scale=logit_scale,
         softcap=softcap,
-        flags={"entropy": entropy, "top1": top1},
+        flags={
+            "entropy": entropy,
+            "top1": top1,
+            "log_sum_sq_prob": log_sum_sq_prob,
+            "mean_logit": mean_logit,
+        },
     )
+    check_top1_rule(_NAME, top1_rule)
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
-    logprob, ent, is_top1 = token_rows(
+    logprob, ent, is_top1, sq, mean = token_rows(
         call.input,
         call.linear_weight,
         call.target,
@@ -122,8 +148,7 @@ def token_logprobs(
         None,
         call.ignore_index,
         call.transform.as_list(),
-        entropy,
-        top1,
+        asked.encode(),
         options.batch_chunk_size,
         options.chunking_method,
         options.acc_policy,
@@ -131,10 +156,12 @@ def token_logprobs(
         grad_on and call.input.requires_grad,
         grad_on and call.linear_weight.requires_grad,
         grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-    )[:3]
+    )[:5]
     shape = call.loss_shape
     return TokenLogprobs(
         logprob.view(shape),
         ent.view(shape) if entropy else None,
         is_top1.view(shape) if top1 else None,
+        sq.view(shape) if log_sum_sq_prob else None,
+        mean.view(shape) if mean_logit else None,
     )

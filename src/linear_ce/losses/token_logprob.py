@@ -1,4 +1,5 @@
-r"""The per-token head: log-probability of the target, entropy, top-1.
+r"""The per-token head: log-probability of the target, entropy, top-1 and two more
+statistics of each next-token distribution.
 
 Per row, with the loop's :math:`u = s - m`, :math:`e = e^{u}`,
 :math:`Z = \sum_j e_j` and :math:`p = e / Z`:
@@ -7,6 +8,9 @@ Per row, with the loop's :math:`u = s - m`, :math:`e = e^{u}`,
 
     \log p_t = u_t - \log Z, \qquad
     H = -\sum_j p_j \log p_j = \log Z - \frac{1}{Z}\sum_j e_j u_j,
+
+    \log \sum_j p_j^2 = \log \sum_j e_j^2 - 2 \log Z, \qquad
+    \bar s = \frac{1}{V} \sum_j s_j = m + \frac{1}{V} \sum_j u_j,
 
     \frac{\partial \log p_t}{\partial s_j} = [j = t] - p_j, \qquad
     \frac{\partial H}{\partial s_j} = -p_j\,(u_j - \log Z + H).
@@ -19,29 +23,77 @@ With upstream gradients :math:`g` (of :math:`\log p_t`) and :math:`h` (of
     g\,[j = t] - \frac{g}{Z}\, e_j - \frac{h}{Z}\, e_j (u_j - \mu),
 
 where :math:`u - \mu` is formed before the product with :math:`e`, so the
-entropy gradient does not cancel where :math:`u_j \approx \mu`. ``top1`` is true where :math:`u_t = 0` and no other
-class reaches the maximum (ties are false).
+entropy gradient does not cancel where :math:`u_j \approx \mu`. The sum of squared
+probabilities and the mean logit are statistics without a gradient.
+
+``top1`` says whether the target is the argmax; the maximum is where :math:`u = 0`
+exactly. Two rules for ties: ``"unique"`` (the target is the only class at the
+maximum; any tie is false) and ``"argmax"`` (the target is ``torch.argmax``'s pick,
+the first class at the maximum: a tie with a later class counts, one with an
+earlier class does not). Both are row sums over the vocabulary, so they hold
+across vocabulary shards: the number of classes at the maximum, and whether a
+class before the target reaches it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from linear_ce.losses.base import RowStats
 from linear_ce.row_chunks import RowChunk
 
-__all__ = ["TokenLogprobHead"]
+__all__ = ["TOP1_RULES", "TokenLogprobHead", "TokenOutputs"]
 
-#: Vocabulary columns per step of the blocked row dot product (a small scratch).
+#: Vocabulary columns per step of the blocked row dot products (a small scratch).
 _BLOCK = 2048
+
+#: How ``top1`` treats a tie at the maximum (see the module docstring).
+TOP1_RULES = ("unique", "argmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOutputs:
+    """Which optional per-token outputs a call computes besides ``logprob``.
+
+    ``encode()`` / ``decode()`` give the flat ``str`` form custom-op signatures take,
+    so a new output is one field here, not one argument per op.
+    """
+
+    entropy: bool = False
+    top1: bool = False
+    top1_rule: str = "unique"
+    log_sum_sq_prob: bool = False
+    mean_logit: bool = False
+
+    def encode(self) -> str:
+        """Comma-separated names of the outputs that are on (``top1`` with its rule)."""
+        names = [
+            name for name in ("entropy", "log_sum_sq_prob", "mean_logit") if getattr(self, name)
+        ]
+        if self.top1:
+            names.append(f"top1={self.top1_rule}")
+        return ",".join(names)
+
+    @classmethod
+    def decode(cls, text: str) -> TokenOutputs:
+        fields: dict[str, object] = {}
+        for name in filter(None, text.split(",")):
+            if name.startswith("top1="):
+                fields["top1"], fields["top1_rule"] = True, name.removeprefix("top1=")
+            else:
+                fields[name] = True
+        return cls(**fields)
 
 
 class TokenLogprobHead:
-    """Writes ``logprob``, ``entropy`` and ``top1`` ``(N, P)`` (zero/False where ignored).
+    """Writes ``logprob`` and the ``outputs`` asked for, each ``(N, P)`` (zero/False
+    where ignored): ``entropy``, ``top1``, ``log_sum_sq_prob``, ``mean_logit``.
 
     ``grad_logprob`` / ``grad_entropy`` ``(N, P)`` are the upstream gradients
-    (``None``: none flows from that output); ``entropy`` and ``top1`` say which
-    outputs are computed at all.
+    (``None``: none flows from that output). ``num_classes`` is the full vocabulary
+    (the mean logit's divisor; ``local_classes`` when the vocabulary is not sharded).
     """
 
     late_sums = 0
@@ -54,24 +106,42 @@ class TokenLogprobHead:
         local_classes: int,
         acc_dtype: torch.dtype,
         *,
-        entropy: bool,
-        top1: bool,
+        outputs: TokenOutputs,
+        num_classes: int | None = None,
         grad_logprob: torch.Tensor | None = None,
         grad_entropy: torch.Tensor | None = None,
     ) -> None:
+        if outputs.top1_rule not in TOP1_RULES:
+            raise ValueError(f"top1_rule must be one of {TOP1_RULES}, got {outputs.top1_rule!r}")
         self.target, self.valid = target, valid
         self.start, self.local = vocab_start, local_classes
-        self.entropy_on = entropy or grad_entropy is not None
-        self.top1_on = top1
+        self.num_classes = local_classes if num_classes is None else num_classes
+        self.entropy_on = outputs.entropy or grad_entropy is not None
+        self.top1_on = outputs.top1
+        self.top1_rule = outputs.top1_rule
+        self.sq_on, self.mean_on = outputs.log_sum_sq_prob, outputs.mean_logit
         self.grad_logprob, self.grad_entropy = grad_logprob, grad_entropy
         self.keeps_logits = self.entropy_on
-        self.extra_sums = 1 + int(self.entropy_on) + 2 * int(top1)
-        device = target.device
-        self.logprob = torch.zeros(valid.shape, dtype=acc_dtype, device=device)
-        self.entropy = (
-            torch.zeros(valid.shape, dtype=acc_dtype, device=device) if self.entropy_on else None
-        )
-        self.top1 = torch.zeros(valid.shape, dtype=torch.bool, device=device) if top1 else None
+        # Column of each row sum in the loop's statistics (after its sum of e).
+        wanted = [
+            ("target", True),
+            ("dot", self.entropy_on),
+            ("sq", self.sq_on),
+            ("sum_u", self.mean_on),
+            ("target_is_max", self.top1_on),
+            ("ties", self.top1_on),
+        ]
+        self.slot = {name: i for i, name in enumerate(n for n, on in wanted if on)}
+        self.extra_sums = len(self.slot)
+
+        def zeros(on: bool, dtype: torch.dtype = acc_dtype) -> torch.Tensor | None:
+            return torch.zeros(valid.shape, dtype=dtype, device=target.device) if on else None
+
+        self.logprob = zeros(True)
+        self.entropy = zeros(self.entropy_on)
+        self.top1 = zeros(self.top1_on, torch.bool)
+        self.log_sum_sq_prob = zeros(self.sq_on)
+        self.mean_logit = zeros(self.mean_on)
         self._is_max: torch.Tensor | None = None
         self._block: torch.Tensor | None = None
 
@@ -86,40 +156,65 @@ class TokenLogprobHead:
                 self._block = torch.empty((rows, _BLOCK), dtype=u.dtype, device=u.device)
         return self._block[:rows]
 
+    def _row_dot(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = Σ_j a_j b_j`` per row, in vocabulary blocks (no ``(B, V)`` temporary)."""
+        out.zero_()
+        block = self._block_buffer(a)
+        for start in range(0, a.shape[1], _BLOCK):
+            stop = min(start + _BLOCK, a.shape[1])
+            part = block[:, : stop - start]
+            torch.mul(a[:, start:stop], b[:, start:stop], out=part)
+            out.add_(part.sum(1))
+
     def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
-        local_t = self.target[rows, p] - self.start
+        slot = self.slot
+        target = self.target[rows, p]
+        local_t = target - self.start
         self.owned = (local_t >= 0) & (local_t < self.local)
         self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
         picked = u.gather(1, self.safe_t)[:, 0]
-        torch.mul(picked, self.owned, out=out[:, 0])
+        torch.mul(picked, self.owned, out=out[:, slot["target"]])
+        if self.mean_on:
+            torch.sum(u, dim=1, out=out[:, slot["sum_u"]])
         if self.top1_on:
-            if self._is_max is None or self._is_max.shape[0] < u.shape[0]:
-                self._is_max = torch.empty(u.shape, dtype=torch.bool, device=u.device)
-            is_max = self._is_max[: u.shape[0]]
-            torch.eq(u, 0.0, out=is_max)
-            out[:, -2].copy_(is_max.sum(1))
-            out[:, -1].copy_((picked == 0.0) & self.owned)
+            out[:, slot["target_is_max"]].copy_((picked == 0.0) & self.owned)
+            out[:, slot["ties"]].copy_(self._ties(u, target))
+
+    def _ties(self, u: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per row, what breaks a top-1 at the maximum under the rule: the number of
+        classes at it ("unique": more than one breaks it), or whether a class before
+        the target reaches it ("argmax")."""
+        if self.top1_rule == "argmax":
+            first = u.argmax(1)
+            reaches = u.gather(1, first[:, None])[:, 0] == 0.0
+            return reaches & (first + self.start < target)
+        if self._is_max is None or self._is_max.shape[0] < u.shape[0]:
+            self._is_max = torch.empty(u.shape, dtype=torch.bool, device=u.device)
+        is_max = self._is_max[: u.shape[0]]
+        torch.eq(u, 0.0, out=is_max)
+        return is_max.sum(1)
 
     def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
         if self.entropy_on:
-            # Σ_j e_j u_j in vocabulary blocks: u must survive for the gradient.
-            dot = out[:, 1]
-            dot.zero_()
-            block = self._block_buffer(u)
-            for start in range(0, u.shape[1], _BLOCK):
-                stop = min(start + _BLOCK, u.shape[1])
-                part = block[:, : stop - start]
-                torch.mul(u[:, start:stop], e[:, start:stop], out=part)
-                dot.add_(part.sum(1))
+            # u must survive for the gradient, so the product goes through a block scratch.
+            self._row_dot(u, e, out[:, self.slot["dot"]])
+        if self.sq_on:
+            self._row_dot(e, e, out[:, self.slot["sq"]])
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
-        sums = stats.sums
-        self.logprob[rows, p] = sums[:, 0] - stats.log_sum_exp
+        sums, slot = stats.sums, self.slot
+        self.logprob[rows, p] = sums[:, slot["target"]] - stats.log_sum_exp
         if self.entropy_on:
-            self.row_mean_u = sums[:, 1] / stats.sum_exp
+            self.row_mean_u = sums[:, slot["dot"]] / stats.sum_exp
             self.entropy[rows, p] = stats.log_sum_exp - self.row_mean_u
+        if self.sq_on:
+            self.log_sum_sq_prob[rows, p] = sums[:, slot["sq"]].log() - 2 * stats.log_sum_exp
+        if self.mean_on:
+            self.mean_logit[rows, p] = stats.row_max + sums[:, slot["sum_u"]] / self.num_classes
         if self.top1_on:
-            self.top1[rows, p] = (sums[:, -1] > 0) & (sums[:, -2] == 1)
+            ties = sums[:, slot["ties"]]
+            clear = ties == 0 if self.top1_rule == "argmax" else ties == 1
+            self.top1[rows, p] = (sums[:, slot["target_is_max"]] > 0) & clear
 
     def grad_tile(
         self,

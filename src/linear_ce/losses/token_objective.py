@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from linear_ce.losses.base import RowStats
-from linear_ce.losses.token_logprob import TokenLogprobHead
+from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 from linear_ce.row_chunks import RowChunk
 
 __all__ = ["ObjectiveHead"]
@@ -42,7 +42,12 @@ class ObjectiveHead(TokenLogprobHead):
         name: str,
     ) -> None:
         super().__init__(
-            target, valid, vocab_start, local_classes, acc_dtype, entropy=entropy, top1=False
+            target,
+            valid,
+            vocab_start,
+            local_classes,
+            acc_dtype,
+            outputs=TokenOutputs(entropy=entropy),
         )
         self.objective, self.side, self.name = objective, side, name
         # A scalar: summed in float64 so the chunk sums do not round against each other.
