@@ -13,7 +13,7 @@ from linear_ce.losses.token_logprob import TokenOutputs
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 
-__all__ = ["TokenLogprobs", "token_logprobs"]
+__all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_vjp"]
 
 _NAME = "token_logprobs"
 
@@ -164,4 +164,84 @@ def token_logprobs(
         is_top1.view(shape) if top1 else None,
         sq.view(shape) if log_sum_sq_prob else None,
         mean.view(shape) if mean_logit else None,
+    )
+
+
+def token_logprobs_vjp(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    options: LinearCrossEntropyOptions | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    r"""The gradients of :func:`token_logprobs` (``shift=False``) for the upstream
+    gradients ``grad_logprob`` and ``grad_entropy`` (target's shape, ``None``: none
+    flows), computed directly, without an autograd graph.
+
+    For an ``autograd.Function`` that holds the weight itself and must read it again in
+    its own backward (a head that is gathered again under DeepSpeed ZeRO-3, as in
+    :mod:`linear_ce.integrations.trl`): the same single pass over the chunks as
+    ``token_logprobs``'s backward. ``needs`` says which of ``(input, linear_weight,
+    linear_bias)`` get a gradient; the others are ``None``, as is every one when no
+    upstream gradient flows.
+
+    Example::
+
+        >>> x, W = torch.randn(6, 16), torch.randn(50, 16)
+        >>> t = torch.randint(0, 50, (6,))
+        >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None)
+    """
+    call = check_token_call(
+        _NAME,
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=False,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={},
+    )
+    need_x, need_w, need_b = needs
+    need_b = need_b and linear_bias is not None
+    if (grad_logprob is None and grad_entropy is None) or not (need_x or need_w or need_b):
+        return None, None, None
+    options = resolve_options(options, _NAME)
+
+    def rows(grad: torch.Tensor | None) -> torch.Tensor | None:
+        return None if grad is None else grad.reshape(call.target.shape).contiguous()
+
+    grads = token_rows(
+        call.input,
+        call.linear_weight,
+        call.target,
+        call.linear_bias,
+        rows(grad_logprob),
+        rows(grad_entropy),
+        call.ignore_index,
+        call.transform.as_list(),
+        TokenOutputs().encode(),
+        options.batch_chunk_size,
+        options.chunking_method,
+        options.acc_policy,
+        options.acc_dtype,
+        need_x,
+        need_w,
+        need_b,
+    )[-3:]
+    return tuple(
+        grad.view(like.shape) if need else None
+        for grad, like, need in zip(
+            grads, (input, linear_weight, linear_bias), (need_x, need_w, need_b), strict=True
+        )
     )

@@ -1,0 +1,390 @@
+r"""Run TRL's fused LM head on :func:`linear_ce.token_logprobs`.
+
+TRL (``trl>=1.16,<1.17``) gives every model its SFT, DPO, GRPO, RLOO and KTO trainers
+train a fused LM head (``trl.trainer.utils.add_fused_lm_head``): called with
+``fused_lm_head=True``, the model returns per-token log-probabilities (and the
+statistics a trainer asks for) computed by TRL's own chunked kernel,
+``ChunkedLogProbFunction``, instead of logits. After :func:`patch` that one call runs on
+``linear_ce``; everything around it stays TRL's: the backbone, the label shift, the
+masking of ignored labels, the loss, the MoE auxiliary loss, the ``FusedCausalLMOutput``.
+
+What the replaced call computes, for TRL's arguments ``(hidden, weight, bias, targets,
+temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)``, with logits
+:math:`s = \mathrm{softcap}((h W^\top + b)\,\sigma) / T` and :math:`p = \mathrm{softmax}(s)`:
+
+=====================  ==========================================  ===============
+TRL's output           value per token                             gradient
+=====================  ==========================================  ===============
+``log_probs``          :math:`\log p_t`                            yes
+``entropy``            :math:`-\sum_v p_v \log p_v`                yes
+``log_sum_sq_probs``   :math:`\log \sum_v p_v^2`                   none (as TRL)
+``mean_logits``        :math:`\frac{1}{V}\sum_v s_v`               none (as TRL)
+``is_top1``            ``s.argmax(-1) == t`` (first index on ties)  none (bool)
+=====================  ==========================================  ===============
+
+as :func:`linear_ce.token_logprobs` with ``top1_rule="argmax"``, an output not named in
+``outputs`` being ``None``. Kept from TRL:
+
+- the compute dtype: the autocast dtype when autocast is on, else the hidden states'
+  dtype; the weight and bias are cast to it. With ``cast_lm_head_to_fp32=True`` TRL
+  hands over fp32 hidden states with autocast off, so the head runs in fp32;
+- temperature, logit scale and softcap, in TRL's order (scale, softcap, temperature);
+- ignored labels: their outputs are zero and they carry no gradient. TRL scores only
+  the valid positions on Triton devices and every position elsewhere; patched, the
+  valid positions alone are scored on every device (``linear_ce`` has no per-shape
+  compilation to protect), so ignored positions cost no GEMM on CPU either;
+- ZeRO-3 / FSDP: TRL gathers the head's weight (``maybe_gather_lm_head_ctx``, and
+  ``DTensor.full_tensor()`` for FSDP2) around the forward call; the backward, which
+  recomputes the logits, enters ``maybe_gather_lm_head_ctx`` again with the weight and
+  bias the forward was given, as TRL's own backward does.
+
+Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
+its own chunks (``options``). Under autocast with fp32 parameters the weight and input
+gradients come back rounded to the autocast dtype, as a bf16 ``lm_head`` call's do
+(TRL's are fp32 sums). A softcap or logit scale that is not a finite float > 0 is an
+error (TRL would run with it).
+
+Fail loudly: :func:`patch` first checks that the installed TRL has the functions,
+signatures and call site this adapter was written against and raises
+:class:`UnsupportedTRLVersion`, naming the supported range, if it does not.
+
+Example::
+
+    >>> from linear_ce.integrations import trl as linear_ce_trl
+    >>> linear_ce_trl.patch()          # every fused LM head, from now on
+    >>> trainer = SFTTrainer(model=model, args=args, train_dataset=data)
+    >>> trainer.train()
+    >>> linear_ce_trl.unpatch()
+    >>> with linear_ce_trl.patched():  # or for one block
+    ...     trainer.train()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.token_logprobs import token_logprobs, token_logprobs_vjp
+
+__all__ = [
+    "SUPPORTED_TRL",
+    "TokenLogprobsFunction",
+    "UnsupportedTRLVersion",
+    "is_patched",
+    "patch",
+    "patched",
+    "unpatch",
+]
+
+#: The TRL releases this adapter was written against (pip's version specifier).
+SUPPORTED_TRL = ">=1.16,<1.17"
+
+#: TRL's optional per-token outputs (``trl.kernels.chunked_logprob.OPTIONAL_OUTPUTS``).
+TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+_UTILS = "trl.trainer.utils"
+_KERNEL = "trl.kernels.chunked_logprob"
+_LOGPROB_ARGS = (
+    "ctx",
+    "hidden",
+    "weight",
+    "bias",
+    "targets",
+    "temperature",
+    "chunk_size",
+    "final_logit_softcapping",
+    "logit_scale",
+    "outputs",
+)
+_FUSED_HEAD_ARGS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
+# The globals of trl.trainer.utils the fused forward reads at each call: the two this
+# module replaces and the gather context its own backward enters again.
+_FUSED_FORWARD_READS = ("_ChunkedLogProbFunction", "_use_triton", "maybe_gather_lm_head_ctx")
+
+
+class UnsupportedTRLVersion(RuntimeError):
+    """The installed TRL is not the one :func:`patch` was written against."""
+
+
+def _gather_context(weight: torch.Tensor, bias: torch.Tensor | None):
+    """TRL's ZeRO-3 gather of the head (a null context without ZeRO-3), looked up at
+    each call so the context TRL has at that moment is the one entered."""
+    return importlib.import_module(_UTILS).maybe_gather_lm_head_ctx(weight, bias)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """TRL's ``ChunkedLogProbFunction`` (same arguments, same five outputs) computed by
+    :func:`linear_ce.token_logprobs`; ``options`` (last argument) chunking and precision.
+
+    The weight and bias are saved as given, so the backward reads them again inside
+    TRL's gather context (ZeRO-3 frees them in between).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None,
+        logit_scale: float,
+        outputs: tuple[str, ...],
+        options: LinearCrossEntropyOptions | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(hidden)
+        transform = {
+            "temperature": float(temperature),
+            "logit_scale": float(logit_scale),
+            "softcap": None if final_logit_softcapping is None else float(final_logit_softcapping),
+        }
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = token_logprobs(
+                hidden.to(dtype),
+                weight.to(dtype),
+                targets,
+                linear_bias=None if bias is None else bias.to(dtype),
+                entropy="entropy" in outputs,
+                top1="is_top1" in outputs,
+                top1_rule="argmax",
+                log_sum_sq_prob="log_sum_sq_probs" in outputs,
+                mean_logit="mean_logits" in outputs,
+                options=options,
+                **transform,
+            )
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dtype, ctx.transform, ctx.options = dtype, transform, options
+        statistics = [v for v in (out.log_sum_sq_prob, out.mean_logit, out.top1) if v is not None]
+        ctx.mark_non_differentiable(*statistics)
+        return out.logprob, out.entropy, out.log_sum_sq_prob, out.mean_logit, out.top1
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, *_statistics):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dtype = ctx.dtype
+        with _gather_context(weight, bias), torch.autocast(hidden.device.type, enabled=False):
+            grads = token_logprobs_vjp(
+                hidden.to(dtype),
+                weight.to(dtype),
+                targets,
+                grad_logprob,
+                grad_entropy,
+                linear_bias=None if bias is None else bias.to(dtype),
+                needs=(need_hidden, need_weight, need_bias),
+                options=ctx.options,
+                **ctx.transform,
+            )
+        grads = tuple(
+            None if g is None else g.to(like.dtype)
+            for g, like in zip(grads, (hidden, weight, bias), strict=True)
+        )
+        return (*grads, *([None] * 7))
+
+
+class _FusedHead:
+    """What replaces ``trl.trainer.utils._ChunkedLogProbFunction``: TRL's fused forward
+    calls its ``apply`` with the kernel's arguments."""
+
+    def __init__(self, options: LinearCrossEntropyOptions | None) -> None:
+        self.options = options
+
+    def apply(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
+        outputs: tuple[str, ...] = TRL_OUTPUTS,
+    ) -> tuple[torch.Tensor | None, ...]:
+        return TokenLogprobsFunction.apply(
+            hidden,
+            weight,
+            bias,
+            targets,
+            temperature,
+            chunk_size,
+            final_logit_softcapping,
+            logit_scale,
+            outputs,
+            self.options,
+        )
+
+
+def _compact_everywhere(device: torch.device) -> bool:
+    """Replaces TRL's ``_use_triton`` in the fused forward, where it only decides
+    whether ignored positions are dropped before the head."""
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Swap:
+    """One attribute of a TRL module that :func:`patch` replaces: ``check`` returns what
+    differs from the TRL this adapter was written for (``None``: nothing), ``make``
+    builds the replacement from the patch's options."""
+
+    module: str
+    name: str
+    check: Callable[[object], str | None]
+    make: Callable[[LinearCrossEntropyOptions | None], object]
+
+
+def _parameters(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
+def _check_logprob_function(current: object) -> str | None:
+    if isinstance(current, _FusedHead):
+        return None
+    kernel = importlib.import_module(_KERNEL)
+    original = getattr(kernel, "ChunkedLogProbFunction", None)
+    if original is None:
+        return f"{_KERNEL}.ChunkedLogProbFunction is missing"
+    if current is not original:
+        return f"{_UTILS}._ChunkedLogProbFunction is not {_KERNEL}.ChunkedLogProbFunction"
+    if _parameters(original.forward) != _LOGPROB_ARGS:
+        return f"ChunkedLogProbFunction.forward takes {_parameters(original.forward)}, not {_LOGPROB_ARGS}"
+    if tuple(getattr(kernel, "OPTIONAL_OUTPUTS", ())) != TRL_OUTPUTS:
+        return f"{_KERNEL}.OPTIONAL_OUTPUTS is {getattr(kernel, 'OPTIONAL_OUTPUTS', None)}, not {TRL_OUTPUTS}"
+    return _check_fused_forward()
+
+
+def _check_fused_forward() -> str | None:
+    utils = importlib.import_module(_UTILS)
+    add = getattr(utils, "add_fused_lm_head", None)
+    if add is None:
+        return f"{_UTILS}.add_fused_lm_head is missing"
+    if _parameters(add) != _FUSED_HEAD_ARGS:
+        return f"add_fused_lm_head takes {_parameters(add)}, not {_FUSED_HEAD_ARGS}"
+    reads = {
+        name
+        for const in add.__code__.co_consts
+        if isinstance(const, types.CodeType)
+        for name in const.co_names
+    }
+    missing = [name for name in _FUSED_FORWARD_READS if name not in reads]
+    if missing:
+        return f"add_fused_lm_head's forward no longer reads {', '.join(missing)}"
+    gather = getattr(utils, "maybe_gather_lm_head_ctx", None)
+    if gather is None or [p.kind for p in inspect.signature(gather).parameters.values()] != [
+        inspect.Parameter.VAR_POSITIONAL
+    ]:
+        return f"{_UTILS}.maybe_gather_lm_head_ctx is not a function of (*params)"
+    return None
+
+
+def _check_use_triton(current: object) -> str | None:
+    if current is _compact_everywhere:
+        return None
+    if not callable(current) or len(_parameters(current)) != 1:
+        return f"{_UTILS}._use_triton is not a function of a device"
+    return None
+
+
+#: Every replacement :func:`patch` makes, checked all together before any is made.
+_SWAPS = (
+    _Swap(_UTILS, "_ChunkedLogProbFunction", _check_logprob_function, _FusedHead),
+    _Swap(_UTILS, "_use_triton", _check_use_triton, lambda options: _compact_everywhere),
+)
+
+# (module, name) -> the attribute before patch(); empty when unpatched.
+_originals: dict[tuple[str, str], object] = {}
+
+
+def _import_trl() -> str:
+    try:
+        trl = importlib.import_module("trl")
+    except ImportError as error:
+        raise ImportError(
+            f"linear_ce.integrations.trl needs trl{SUPPORTED_TRL}: pip install 'linear-ce[trl]'"
+        ) from error
+    return getattr(trl, "__version__", "unknown")
+
+
+def _missing_attribute(swap: _Swap) -> str | None:
+    try:
+        module = importlib.import_module(swap.module)
+    except ImportError as error:
+        return f"{swap.module} cannot be imported ({error})"
+    if not hasattr(module, swap.name):
+        return f"{swap.module}.{swap.name} is missing"
+    return None
+
+
+def patch(options: LinearCrossEntropyOptions | None = None) -> None:
+    """Make TRL's fused LM head run on :func:`linear_ce.token_logprobs`, for every
+    model, including those TRL patched before this call.
+
+    ``options`` (:class:`~linear_ce.LinearCrossEntropyOptions`) set the chunking and
+    precision. Calling ``patch`` again replaces the options. Raises
+    :class:`UnsupportedTRLVersion` (nothing is patched) when the installed TRL differs
+    from ``trl`` :data:`SUPPORTED_TRL` in what this adapter relies on, and
+    ``ImportError`` without TRL.
+    """
+    version = _import_trl()
+    problems = []
+    for swap in _SWAPS:
+        problem = _missing_attribute(swap) or swap.check(
+            getattr(importlib.import_module(swap.module), swap.name)
+        )
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise UnsupportedTRLVersion(
+            f"linear_ce.integrations.trl supports trl{SUPPORTED_TRL}; the installed trl "
+            f"{version} differs: {'; '.join(problems)}. Install a supported TRL "
+            "(pip install 'linear-ce[trl]') or leave TRL unpatched."
+        )
+    for swap in _SWAPS:
+        module = importlib.import_module(swap.module)
+        _originals.setdefault((swap.module, swap.name), getattr(module, swap.name))
+        setattr(module, swap.name, swap.make(options))
+
+
+def unpatch() -> None:
+    """Give TRL its own fused LM head back (nothing happens when it is not patched)."""
+    while _originals:
+        (module, name), original = _originals.popitem()
+        setattr(importlib.import_module(module), name, original)
+
+
+def is_patched() -> bool:
+    """Whether TRL's fused LM head currently runs on ``linear_ce``."""
+    return bool(_originals)
+
+
+@contextlib.contextmanager
+def patched(options: LinearCrossEntropyOptions | None = None) -> Iterator[None]:
+    """:func:`patch` for the duration of a ``with`` block. On exit TRL is as before the
+    block: unpatched, or patched with the options it had."""
+    utils = importlib.import_module(_UTILS) if is_patched() else None
+    before = None if utils is None else utils._ChunkedLogProbFunction.options
+    patch(options)
+    try:
+        yield
+    finally:
+        if utils is None:
+            unpatch()
+        else:
+            patch(before)
