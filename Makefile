@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make bench` (the benchmark report) and `make test`.
-# Both create .venv on first use and install the package with its dev extras.
+# Both create .venv on first use and install the package with its dev, transformers and trl extras.
 # torch is pinned to the CPU build that lies on this machine's disk; on a GPU
 # machine install a CUDA torch in .venv yourself and the pin is left alone.
 PYTHON ?= python3
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,transformers]"
+	$(PY) -m pip install -q -e ".[dev,transformers,trl]"
 	touch $(STAMP)
 
 test: $(STAMP)
