@@ -1,5 +1,6 @@
 """The benchmark report runs end to end at tiny shapes (no timing assertions)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -72,7 +73,13 @@ def test_report_end_to_end(tmp_path):
         expected = {
             ("ce", False): [n for n in DEFAULT if "ce" in VARIANTS[n].heads],
             ("ce", True): [*floors, "plain", "torch", "linear_ce"],
-            ("logprobs", False): [*floors, "logprobs-plain", "logprobs-linear_ce"],
+            ("logprobs", False): [
+                *floors,
+                "logprobs-plain",
+                "logprobs-linear_ce",
+                "logprobs-trl",
+                "logprobs-trl-patched",
+            ],
             ("objective", False): [
                 *floors,
                 "objective-plain",
@@ -92,7 +99,9 @@ def test_report_end_to_end(tmp_path):
         if point["head"] != "ce" or point["ignored"]:
             rows = {row["variant"]: row for row in point["rows"]}
             for name in expected:
-                if (
+                if name.startswith("logprobs-trl") and importlib.util.find_spec("trl") is None:
+                    assert rows[name]["seconds"] is None, rows[name]
+                elif (
                     name.startswith(("logprobs-", "objective-", "divergence-l"))
                     or name == "linear_ce"
                 ):

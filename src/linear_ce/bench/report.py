@@ -144,6 +144,8 @@ COLORS = {
     "linear_ce-fwd": "#1f4fd6",
     "logprobs-plain": "#6b8e23",
     "logprobs-linear_ce": "#8b0000",
+    "logprobs-trl": "#daa520",
+    "logprobs-trl-patched": "#ff1493",
     "objective-plain": "#00ff7f",
     "objective-logprobs": "#4b0082",
     "objective-linear_ce": "#ffa07a",

@@ -97,6 +97,28 @@ def _linear_ce_logprobs(x, w, t):
     return out.logprob, out.entropy
 
 
+def _trl_logprobs(patched: bool):
+    """Per-token log-probability and entropy through TRL's kernel call, as its fused LM
+    head makes it (ignored targets clamped to 0, outputs zeroed there): TRL's own
+    ``ChunkedLogProbFunction`` or, ``patched``, the one of :mod:`linear_ce.integrations.trl`."""
+
+    def fn(x, w, t):
+        valid = t != -100
+        args = (x, w, None, torch.where(valid, t, 0), 1.0, 32768, None, 1.0)
+        outputs = ("log_probs", "entropy")
+        if patched:
+            from linear_ce.integrations.trl import TokenLogprobsFunction
+
+            lp, ent, *_ = TokenLogprobsFunction.apply(*args, outputs, None)
+        else:
+            from trl.kernels import ChunkedLogProbFunction
+
+            lp, ent, *_ = ChunkedLogProbFunction.apply(*args, outputs)
+        return lp * valid, ent * valid
+
+    return fn
+
+
 def _train_logprobs(fn) -> Build:
     def build(x, w, t):
         g_lp, g_h = _upstream(t, x.dtype)
@@ -445,6 +467,22 @@ VARIANTS: dict[str, Variant] = {
             ("logprobs",),
         ),
         Variant(
+            "logprobs-trl",
+            "train",
+            _train_logprobs(_trl_logprobs(patched=False)),
+            _needs_module("trl"),
+            "TRL's fused-head kernel (ChunkedLogProbFunction), log_probs and entropy",
+            ("logprobs",),
+        ),
+        Variant(
+            "logprobs-trl-patched",
+            "train",
+            _train_logprobs(_trl_logprobs(patched=True)),
+            _needs_module("trl"),
+            "the same call with linear_ce.integrations.trl patched in",
+            ("logprobs",),
+        ),
+        Variant(
             "objective-plain",
             "train",
             _objective("plain"),
@@ -510,6 +548,8 @@ DEFAULT = (
     "linear_ce-fwd",
     "logprobs-plain",
     "logprobs-linear_ce",
+    "logprobs-trl",
+    "logprobs-trl-patched",
     "objective-plain",
     "objective-logprobs",
     "objective-linear_ce",
