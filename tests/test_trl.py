@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
+import pathlib
 import random
+import subprocess
 import sys
 
 import pytest
@@ -554,3 +557,27 @@ def test_trainer_patched_equals_unpatched(tmp_path, kernel_calls, trainer):
         bound = 16 * F32 if step == 0 else 1e-4
         for name, grad in step_grads.items():
             assert rel_err(patched_step[name], grad) <= bound, (step, name)
+
+
+def test_example_runs_at_a_tiny_size(tmp_path):
+    """``examples/sft_with_trl.py`` end to end, small enough for CI: both runs, the same
+    losses, the speed and memory lines."""
+    script = pathlib.Path(__file__).parent.parent / "examples" / "sft_with_trl.py"
+    args = ["--vocab", "120", "--hidden", "16", "--layers", "1", "--batch", "2"]
+    args += ["--seq", "8", "--steps", "2", "--threads", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    losses = [line.split()[1:] for line in lines if line.split()[:1] in (["1"], ["2"])]
+    assert len(losses) == 2
+    for trl_loss, patched_loss in losses:
+        assert math.isclose(float(trl_loss), float(patched_loss), rel_tol=1e-5)
+    assert sum("s/step" in line and "peak step memory" in line for line in lines) == 2
+    assert lines[-1].startswith("speed-up of a training step:")
