@@ -286,6 +286,32 @@ def test_statistics_are_not_differentiable():
             value.sum().backward()
 
 
+@pytest.mark.parametrize("flows", list(FLOWS))
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
+def test_vjp_equals_autograd_of_token_logprobs(flows, needs):
+    """``token_logprobs_vjp``: the gradients autograd gives through ``token_logprobs``
+    (itself checked against float64 above), only those asked for."""
+    x, W, b, t, up_lp, up_h = _inputs(13, True, "random")
+    kw = TRANSFORMS["all"]
+    x, W, b, t = x[0].float(), W.float(), b.float(), t[0]
+    up = {"logprob": up_lp[0].float(), "entropy": up_h[0].float()}
+    grad_lp = up["logprob"] if "logprob" in FLOWS[flows] else None
+    grad_h = up["entropy"] if "entropy" in FLOWS[flows] else None
+    got = linear_ce.token_logprobs_vjp(
+        x, W, t, grad_lp, grad_h, linear_bias=b, needs=needs, options=CHUNK, **kw
+    )
+    leaves = _leaves(x, W, b, torch.float32)
+    out = linear_ce.token_logprobs(
+        *leaves[:2], t, linear_bias=leaves[2], entropy=True, options=CHUNK, **kw
+    )
+    want = _grads(out, leaves, up_lp[0], up_h[0], FLOWS[flows])
+    for g, w, need in zip(got, want, needs, strict=True):
+        assert (g is None) == (not need)
+        if need:
+            assert g.shape == w.shape and rel_err(g, w) <= 3 * eps(torch.float32)
+    assert linear_ce.token_logprobs_vjp(x, W, t, None, None) == (None, None, None)
+
+
 def test_outputs_not_asked_for_are_none_and_cost_no_gemm():
     x, W, _, t, *_ = _inputs(5, False, "none")
     out = linear_ce.token_logprobs(x.float(), W.float(), t)
