@@ -264,6 +264,17 @@ def test_fused_head_patched_equals_unpatched(build, head):
     assert not got[0].log_probs[ignored].any() and not got[0].entropy[ignored].any()
 
 
+def test_all_ignored_micro_batch_is_a_differentiable_zero():
+    model = _llama()
+    trl_utils.add_fused_lm_head(model, outputs=ALL_OUTPUTS)
+    ids = _batch()[0]
+    with lce_trl.patched():
+        out = model(input_ids=ids, labels=torch.full_like(ids, -100), fused_lm_head=True)
+        out.loss.backward()
+    assert out.loss.item() == 0.0 and not out.log_probs.any() and not out.is_top1.any()
+    assert not model.lm_head.weight.grad.any()
+
+
 def test_fp32_head_of_a_bf16_model():
     """``cast_lm_head_to_fp32``: the head runs in fp32 on a bf16 model, patched and not;
     the bf16 gradients agree but for rounding to bf16 of nearly equal values."""

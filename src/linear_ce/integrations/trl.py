@@ -233,8 +233,8 @@ class _FusedHead:
 
 
 def _compact_everywhere(device: torch.device) -> bool:
-    """Replaces TRL's ``_use_triton`` in the fused forward, where it only decides
-    whether ignored positions are dropped before the head."""
+    """Replaces ``_use_triton`` in the TRL modules that call its kernels, where it only
+    decides whether ignored positions are dropped before the head: always, here."""
     return True
 
 
@@ -294,18 +294,24 @@ def _check_fused_forward() -> str | None:
     return None
 
 
-def _check_use_triton(current: object) -> str | None:
-    if current is _compact_everywhere:
+def _compaction(module: str) -> _Swap:
+    """The swap of ``module``'s ``_use_triton`` (TRL's kernels' caller imports it by name),
+    which there only decides whether ignored positions are dropped before the head."""
+
+    def check(current: object) -> str | None:
+        if current is _compact_everywhere:
+            return None
+        if not callable(current) or len(_parameters(current)) != 1:
+            return f"{module}._use_triton is not a function of a device"
         return None
-    if not callable(current) or len(_parameters(current)) != 1:
-        return f"{_UTILS}._use_triton is not a function of a device"
-    return None
+
+    return _Swap(module, "_use_triton", check, lambda options: _compact_everywhere)
 
 
 #: Every replacement :func:`patch` makes, checked all together before any is made.
 _SWAPS = (
     _Swap(_UTILS, "_ChunkedLogProbFunction", _check_logprob_function, _FusedHead),
-    _Swap(_UTILS, "_use_triton", _check_use_triton, lambda options: _compact_everywhere),
+    _compaction(_UTILS),
 )
 
 # (module, name) -> the attribute before patch(); empty when unpatched.
