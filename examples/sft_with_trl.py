@@ -14,10 +14,14 @@ random weights::
     python examples/sft_with_trl.py                     # fp32
     python examples/sft_with_trl.py --dtype bfloat16    # a bf16 model, TRL's bf16=True
 
-Peak memory of a step: before each step the script notes the resident set size (VmRSS)
-and resets the kernel's high-water mark; after it, VmHWM minus that VmRSS is the step's
-transient peak. The first step (which also allocates AdamW's state) is left out of the
-time and the peak, which are the median and the largest over the other steps.
+Memory of a step: before each step the script resets the kernel's high-water mark of the
+resident set (VmHWM); after it, VmHWM is the process's peak during that step (the model,
+optimizer state and Python included, the same in both runs), and VmHWM minus the VmRSS
+before the step is the memory the step added. Memory the allocator kept from the previous
+step is not in the second number (a buffer reused each step counts once, before the
+timed steps), so the first is the one to compare. The first step (which also allocates
+AdamW's state) is left out of the time and the memory, which are the median and the
+largest over the other steps.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
 
 def peak_tracker():
-    """Callables ``start()`` and ``stop() -> bytes`` around a region, from /proc/self."""
+    """Callables ``start()`` and ``stop() -> (peak, added)`` bytes around a region, from
+    /proc/self: the resident peak during the region, and that peak minus the resident
+    size at its start."""
 
     def read(key: str) -> int:
         with open("/proc/self/status") as status:
@@ -50,8 +56,9 @@ def peak_tracker():
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
 
-    def stop() -> int:
-        return read("VmHWM") - base[0]
+    def stop() -> tuple[int, int]:
+        peak = read("VmHWM")
+        return peak, peak - base[0]
 
     return start, stop
 
@@ -104,7 +111,10 @@ def train(args: argparse.Namespace) -> dict:
             self.began = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            steps.append({"seconds": time.perf_counter() - self.began, "peak_bytes": stop()})
+            peak, added = stop()
+            steps.append(
+                {"seconds": time.perf_counter() - self.began, "peak": peak, "added": added}
+            )
 
     config = transformers.LlamaConfig(
         vocab_size=args.vocab,
@@ -199,13 +209,15 @@ def main() -> None:
     for variant, result in results.items():
         later = result["steps"][1:]
         seconds = statistics.median(s["seconds"] for s in later)
-        peak = max(s["peak_bytes"] for s in later)
+        peak = max(s["peak"] for s in later)
+        added = max(s["added"] for s in later)
         summary[variant] = seconds
         last = result["steps"][-1]
         print(
             f"{VARIANTS[variant]:>18}: {seconds:6.3f} s/step (median of {len(later)}), "
-            f"peak step memory {peak / 2**20:7.1f} MiB; last step entropy "
-            f"{last['entropy']:.4f}, mean_token_accuracy {last['mean_token_accuracy']:.4f}"
+            f"peak RSS during a step {peak / 2**20:7.1f} MiB ({added / 2**20:.1f} MiB added "
+            f"by the step); last step entropy {last['entropy']:.4f}, "
+            f"mean_token_accuracy {last['mean_token_accuracy']:.4f}"
         )
     print(f"speed-up of a training step: {summary['trl'] / summary['linear_ce']:.2f}x")
 

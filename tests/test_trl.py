@@ -590,5 +590,5 @@ def test_example_runs_at_a_tiny_size(tmp_path):
     assert len(losses) == 2
     for trl_loss, patched_loss in losses:
         assert math.isclose(float(trl_loss), float(patched_loss), rel_tol=1e-5)
-    assert sum("s/step" in line and "peak step memory" in line for line in lines) == 2
+    assert sum("s/step" in line and "peak RSS during a step" in line for line in lines) == 2
     assert lines[-1].startswith("speed-up of a training step:")
