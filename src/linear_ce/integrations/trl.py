@@ -38,6 +38,13 @@ as :func:`linear_ce.token_logprobs` with ``top1_rule="argmax"``, an output not n
   recomputes the logits, enters ``maybe_gather_lm_head_ctx`` again with the weight and
   bias the forward was given, as TRL's own backward does.
 
+``DistillationTrainer``'s loss (``_chunked_divergence_loss``, which calls TRL's
+``ChunkedDivergenceFunction``) is replaced as a whole by
+:func:`linear_ce.integrations.trl_distillation.chunked_divergence_loss`: the same
+arguments and results (loss, the student's entropy sum, the number of valid positions),
+computed by :func:`linear_ce.linear_divergence` on the completion positions only, with
+the student's gradients formed in forward inside TRL's gather of both heads.
+
 Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
 its own chunks (``options``). Under autocast with fp32 parameters the weight and input
 gradients come back rounded to the autocast dtype, as a bf16 ``lm_head`` call's do
@@ -70,6 +77,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.token_logprobs import token_logprobs, token_logprobs_vjp
 
@@ -308,10 +316,41 @@ def _compaction(module: str) -> _Swap:
     return _Swap(module, "_use_triton", check, lambda options: _compact_everywhere)
 
 
+_DISTILLATION = "trl.trainer.distillation_trainer"
+
+
+class _DistillationLoss:
+    """Stands in for ``DistillationTrainer``'s ``_chunked_divergence_loss``: the same
+    arguments and results, computed by :func:`linear_ce.linear_divergence`."""
+
+    def __init__(self, options: LinearCrossEntropyOptions | None) -> None:
+        self.options = options
+
+    def __call__(self, *args, **kwargs):
+        return chunked_divergence_loss(*args, **kwargs, options=self.options)
+
+
+def _check_divergence_loss(current: object) -> str | None:
+    if isinstance(current, _DistillationLoss):
+        return None
+    if not callable(current) or _parameters(current) != DIVERGENCE_LOSS_ARGS:
+        return (
+            f"{_DISTILLATION}._chunked_divergence_loss takes "
+            f"{_parameters(current) if callable(current) else current!r}, not "
+            f"{DIVERGENCE_LOSS_ARGS}"
+        )
+    trainer = getattr(importlib.import_module(_DISTILLATION), "DistillationTrainer", None)
+    method = getattr(trainer, "_compute_loss", None)
+    if method is None or "_chunked_divergence_loss" not in method.__code__.co_names:
+        return "DistillationTrainer._compute_loss no longer calls _chunked_divergence_loss"
+    return None
+
+
 #: Every replacement :func:`patch` makes, checked all together before any is made.
 _SWAPS = (
     _Swap(_UTILS, "_ChunkedLogProbFunction", _check_logprob_function, _FusedHead),
     _compaction(_UTILS),
+    _Swap(_DISTILLATION, "_chunked_divergence_loss", _check_divergence_loss, _DistillationLoss),
 )
 
 # (module, name) -> the attribute before patch(); empty when unpatched.

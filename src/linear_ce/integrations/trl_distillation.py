@@ -12,13 +12,45 @@ step where TRL's function takes six, eight for the generalised JSD) and no
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import torch
 
 from linear_ce.divergence import linear_divergence
+from linear_ce.options import LinearCrossEntropyOptions
 
-__all__ = ["chunked_divergence_loss"]
+__all__ = ["DIVERGENCE_LOSS_ARGS", "chunked_divergence_loss"]
+
+#: The parameters of TRL 1.16's ``_chunked_divergence_loss``, which the stand-in copies.
+DIVERGENCE_LOSS_ARGS = (
+    "student_hidden_states",
+    "teacher_hidden_states",
+    "student_lm_head_weight",
+    "teacher_lm_head_weight",
+    "completion_mask",
+    "beta",
+    "num_items_in_batch",
+    "student_lm_head_bias",
+    "teacher_lm_head_bias",
+    "student_logit_scale",
+    "teacher_logit_scale",
+    "student_final_logit_softcapping",
+    "teacher_final_logit_softcapping",
+    "temperature",
+)
 
 _IGNORE = -100
+
+
+def _gathered(weight: torch.Tensor, bias: torch.Tensor | None):
+    """TRL's ZeRO-3 gather of a head (a null context without ZeRO-3), looked up at the call.
+    The loss is a sum, so the student's gradients are formed inside it, in forward."""
+    try:
+        utils = importlib.import_module("trl.trainer.utils")
+    except ImportError:
+        return contextlib.nullcontext()
+    return utils.maybe_gather_lm_head_ctx(weight, bias)
 
 
 def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -51,11 +83,59 @@ def chunked_divergence_loss(
     student_final_logit_softcapping: float | None = None,
     teacher_final_logit_softcapping: float | None = None,
     temperature: float = 1.0,
+    *,
+    options: LinearCrossEntropyOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, entropy_sum, n_valid)`` as TRL's function returns them: the divergence
     summed over the positions where ``completion_mask`` is nonzero, divided by
     ``num_items_in_batch`` (or by the number of those positions, at least 1); the sum of
-    the student's entropies there (detached); that number."""
+    the student's entropies there (detached); that number. ``options`` set the chunking
+    and precision of :func:`linear_ce.linear_divergence`."""
+    with (
+        _gathered(student_lm_head_weight, student_lm_head_bias),
+        _gathered(teacher_lm_head_weight, teacher_lm_head_bias),
+    ):
+        total, entropy, n_valid = _summed(
+            student_hidden_states,
+            teacher_hidden_states,
+            student_lm_head_weight,
+            teacher_lm_head_weight,
+            completion_mask,
+            beta,
+            student_lm_head_bias,
+            teacher_lm_head_bias,
+            student_logit_scale,
+            teacher_logit_scale,
+            student_final_logit_softcapping,
+            teacher_final_logit_softcapping,
+            temperature,
+            options,
+        )
+    if num_items_in_batch is None:
+        loss = total / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        loss = total / num_items_in_batch
+    return loss, entropy.sum(), n_valid
+
+
+def _summed(
+    student_hidden_states,
+    teacher_hidden_states,
+    student_lm_head_weight,
+    teacher_lm_head_weight,
+    completion_mask,
+    beta,
+    student_lm_head_bias,
+    teacher_lm_head_bias,
+    student_logit_scale,
+    teacher_logit_scale,
+    student_final_logit_softcapping,
+    teacher_final_logit_softcapping,
+    temperature,
+    options,
+):
     s_dtype = _compute_dtype(student_hidden_states)
     t_dtype = _compute_dtype(teacher_hidden_states)
     student_weight = _whole(student_lm_head_weight).to(s_dtype)
@@ -81,12 +161,6 @@ def chunked_divergence_loss(
             teacher_softcap=teacher_final_logit_softcapping,
             reduction="sum",
             return_entropy=True,
+            options=options,
         )
-    n_valid = valid.sum()
-    if num_items_in_batch is None:
-        loss = total / n_valid.clamp(min=1)
-    else:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        loss = total / num_items_in_batch
-    return loss, entropy.sum(), n_valid
+    return total, entropy, valid.sum()

@@ -1,0 +1,228 @@
+"""TRL's distillation loss on ``linear_divergence``, against TRL's own.
+
+``DistillationTrainer._compute_loss`` calls ``_chunked_divergence_loss`` with the
+student's and the teacher's last hidden states and heads. Here a tiny random student and a
+wider teacher (built locally, nothing downloaded) give those hidden states; the loss,
+entropy sum, valid count and every student parameter's gradient of the patched function
+equal TRL's, TRL's ``ChunkedDivergenceFunction`` is not called while patched, the ZeRO-3
+gather of both heads is entered, and a TRL whose function differs is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="TRL is not installed: pip install 'linear-ce[trl]'")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from trl.kernels import chunked_divergence  # noqa: E402
+from trl.trainer import distillation_trainer  # noqa: E402
+from trl.trainer import utils as trl_utils  # noqa: E402
+
+from conftest import eps, rel_err  # noqa: E402
+from linear_ce.integrations import trl as lce_trl  # noqa: E402
+
+VOCAB = 97
+F32 = eps(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    lce_trl.unpatch()
+    yield
+    lce_trl.unpatch()
+
+
+def _model(seed: int, hidden: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            pad_token_id=0,
+        )
+    )
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, VOCAB, (2, 13), generator=g)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    mask[0, 4:] = 1  # the completions: prompt positions carry no loss
+    mask[1, 7:11] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def divergence_calls(monkeypatch):
+    """Counts calls of TRL's own divergence function."""
+    calls = []
+    original = chunked_divergence.ChunkedDivergenceFunction.apply
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_divergence.ChunkedDivergenceFunction, "apply", counted)
+    return calls
+
+
+def _step(student, teacher, ids, mask, **call):
+    """The loss call of ``DistillationTrainer._compute_loss``, looked up as it does."""
+    student.zero_grad()
+    hs = student.model(ids).last_hidden_state
+    with torch.no_grad():
+        ht = teacher.model(ids).last_hidden_state
+    loss, entropy_sum, n_valid = distillation_trainer._chunked_divergence_loss(
+        hs,
+        ht,
+        student.lm_head.weight,
+        teacher.lm_head.weight,
+        mask,
+        call.pop("beta"),
+        student_lm_head_bias=None,
+        teacher_lm_head_bias=None,
+        **call,
+    )
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    return loss.detach(), entropy_sum, n_valid, grads
+
+
+def _plain64(
+    student,
+    teacher,
+    ids,
+    mask,
+    beta,
+    temperature=1.0,
+    num_items_in_batch=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
+    student_final_logit_softcapping=None,
+    teacher_final_logit_softcapping=None,
+):
+    """The loss on both full logits in float64, from the same hidden states."""
+
+    def logits(model, scale, cap):
+        with torch.no_grad():
+            z = model.model(ids).last_hidden_state.double() @ model.lm_head.weight.double().T
+        z = z * scale
+        return (cap * torch.tanh(z / cap) if cap else z) / temperature
+
+    ls = torch.log_softmax(
+        logits(student, student_logit_scale, student_final_logit_softcapping), -1
+    )
+    lt = torch.log_softmax(
+        logits(teacher, teacher_logit_scale, teacher_final_logit_softcapping), -1
+    )
+    if beta == 0.0:
+        d = (lt.exp() * (lt - ls)).sum(-1)
+    elif beta == 1.0:
+        d = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), 0)
+        d = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    total = (d * mask).sum()
+    return total / (num_items_in_batch or mask.sum())
+
+
+CALLS = {
+    "forward-kl": dict(beta=0.0),
+    "jsd": dict(beta=0.5, temperature=0.8, num_items_in_batch=11),
+    "reverse-kl-transformed": dict(
+        beta=1.0,
+        student_logit_scale=1.5,
+        teacher_final_logit_softcapping=2.0,
+        student_final_logit_softcapping=3.0,
+        temperature=1.2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_patched_loss_equals_trls(name, divergence_calls):
+    ids, mask = _batch()
+    student, teacher = _model(0, 16), _model(1, 24)
+    theirs = _step(student, teacher, ids, mask, **CALLS[name])
+    assert divergence_calls, "TRL's divergence function was not called unpatched"
+    divergence_calls.clear()
+    with lce_trl.patched():
+        ours = _step(student, teacher, ids, mask, **CALLS[name])
+    assert not divergence_calls, "TRL's divergence function ran while patched"
+    # A KL of near-uniform tiny models is a small difference of O(log V) terms: both
+    # functions are held to float64, ours within 2x TRL's own error.
+    exact = _plain64(student, teacher, ids, mask, **CALLS[name])
+    assert rel_err(ours[0], exact) <= max(16 * F32, 2 * rel_err(theirs[0], exact))
+    assert rel_err(ours[1], theirs[1]) <= 16 * F32
+    assert int(ours[2]) == int(theirs[2]) == int(mask.sum())
+    assert ours[3].keys() == theirs[3].keys() and len(ours[3]) > 3
+    for parameter, grad in ours[3].items():
+        assert rel_err(grad, theirs[3][parameter]) <= 1e-5, parameter
+
+
+def test_every_position_masked_is_a_zero_loss():
+    ids, _ = _batch()
+    student, teacher = _model(0, 16), _model(1, 24)
+    with lce_trl.patched():
+        loss, entropy_sum, n_valid, grads = _step(
+            student, teacher, ids, torch.zeros_like(ids), beta=0.5
+        )
+    assert float(loss) == 0.0 and float(entropy_sum) == 0.0 and int(n_valid) == 0
+    assert all(bool((g == 0).all()) for g in grads.values())
+
+
+class _ZeRO3LikeGather:
+    """Stands in for ``maybe_gather_lm_head_ctx`` under ZeRO-3: each head's weight holds
+    NaN except inside the context, which records each entry."""
+
+    def __init__(self, *weights: torch.nn.Parameter):
+        self.full = {id(w): w.detach().clone() for w in weights}
+        self.entries = 0
+        for w in weights:
+            w.data = torch.full_like(w, math.nan)
+
+    def __call__(self, *params):
+        return self._gathered(params[0])
+
+    @contextlib.contextmanager
+    def _gathered(self, weight):
+        self.entries += 1
+        weight.data = self.full[id(weight)]
+        try:
+            yield
+        finally:
+            weight.data = torch.full_like(weight, math.nan)
+
+
+def test_both_heads_are_gathered(monkeypatch):
+    ids, mask = _batch()
+    student, teacher = _model(0, 16), _model(1, 24)
+    reference = _step(student, teacher, ids, mask, beta=0.5)
+    gather = _ZeRO3LikeGather(student.lm_head.weight, teacher.lm_head.weight)
+    monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", gather)
+    with lce_trl.patched():
+        ours = _step(student, teacher, ids, mask, beta=0.5)
+    assert gather.entries == 2  # the student's and the teacher's head, once each
+    assert rel_err(ours[0], reference[0]) <= 16 * F32
+    grad = ours[3]["lm_head.weight"]
+    assert torch.isfinite(grad).all()
+    assert rel_err(grad, reference[3]["lm_head.weight"]) <= 1e-5
+
+
+def test_other_distillation_loss_is_refused(monkeypatch):
+    def other(student_hidden_states, teacher_hidden_states, beta):
+        return None
+
+    monkeypatch.setattr(distillation_trainer, "_chunked_divergence_loss", other)
+    with pytest.raises(lce_trl.UnsupportedTRLVersion, match="_chunked_divergence_loss takes"):
+        lce_trl.patch()
+    assert not lce_trl.is_patched()
