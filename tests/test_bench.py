@@ -68,11 +68,11 @@ def test_report_end_to_end(tmp_path):
     }
     for point in data["points"]:
         # Each point measures the variants of its head (the floors serve every head); the
-        # extra points keep the floors, plain, torch and linear_ce only.
+        # extra points keep the floors, plain and linear_ce only.
         floors = ["floor", "floor-fp32"]
         expected = {
             ("ce", False): [n for n in DEFAULT if "ce" in VARIANTS[n].heads],
-            ("ce", True): [*floors, "plain", "torch", "linear_ce"],
+            ("ce", True): [*floors, "plain", "linear_ce"],
             ("logprobs", False): [
                 *floors,
                 "logprobs-plain",
