@@ -88,6 +88,22 @@ def test_aspect_ratio_rule():
     assert _rows(8192, 4096, 128_256, chunking_method="aspect_ratio") == 256
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_plan_share_by_path(monkeypatch, dtype, native):
+    """Half inputs on the non-native CPU path take the larger share (their gradients have
+    half the bytes, the scratch stays fp32), so their chunks match fp32's: 256 rows at
+    2048/1024/32768; the native path keeps the quarter share (128 rows)."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    plan = make_plan(2048, 1024, 32768, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
+    if dtype == torch.float32 or isinstance(plan.gemm, BlockUpcast):
+        assert plan.rows_per_chunk == 256
+    else:
+        assert isinstance(plan.gemm, NativeHalf) and plan.rows_per_chunk == 128
+    if native == "0" and dtype != torch.float32:
+        assert isinstance(plan.gemm, BlockUpcast)
+
+
 def test_budget_rule():
     # Gradients (8192 + 32000)·4096·4 B = 658 505 728 B; a quarter is 164 626 432 B;
     # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows, rounded down to a

@@ -16,6 +16,8 @@ from linear_ce.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtyp
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
+    "BUDGET_SHARE",
+    "HALF_CPU_BUDGET_SHARE",
     "MIN_EFFICIENT_ROWS",
     "ROW_MULTIPLE",
     "Plan",
@@ -34,6 +36,13 @@ ROW_MULTIPLE = 32
 #: share buys little: with the class-major logits buffer the three GEMMs run at 160–180
 #: GFLOP/s from 256 rows on (D=1024, V=32768), within 10% of their rate at 2048 rows.
 BUDGET_SHARE = 0.25
+#: The share for half inputs accumulated in fp32 on a CPU without native half GEMMs
+#: (``BlockUpcast``), whose gradients have half the bytes while the scratch rows stay
+#: fp32: at N=2048, D=1024, V=32768 the quarter share gives 128-row chunks, which ran at
+#: 1.30× (bf16) and 1.17× (fp16) the fp32 floor, against 1.01× and 1.00× at the 256 rows
+#: of this share, within the 2.5× of the gradients' bytes half inputs may take. The
+#: native path keeps the quarter: its half temporaries would take it past 2.5×.
+HALF_CPU_BUDGET_SHARE = 0.5
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -126,7 +135,7 @@ def make_plan(
     device: torch.device,
     options: LinearCrossEntropyOptions,
     tiles: int = 1,
-    share: float = BUDGET_SHARE,
+    share: float | None = None,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -139,6 +148,10 @@ def make_plan(
     of the number of chunks within 2.5× the gradients' bytes, where an fp32
     ``(V, F)`` accumulator alone takes 1.9× of them once ``V ≫ N``.
     Everywhere else ``"auto"`` is ``"accurate"``.
+
+    ``share`` is the chunk rule's share of the gradients' bytes (see
+    :func:`choose_chunk_rows`); ``None``: ``HALF_CPU_BUDGET_SHARE`` for half inputs on a
+    CPU without native half GEMMs (``BlockUpcast``), else ``BUDGET_SHARE``.
     """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
@@ -157,6 +170,8 @@ def make_plan(
         gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
+    if share is None:
+        share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) else BUDGET_SHARE
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
