@@ -255,11 +255,23 @@ def test_many_chunks_float32(beta):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_half_within_twice_plain_error(dtype, beta):
-    xs, ws, xt, wt, _, _, t = _inputs(3, dtype, bias=False, v=301, fs=32, ft=24)
+@pytest.mark.parametrize(
+    ("native", "length", "chunk"),
+    [("1", T, None), ("1", 600, 4), ("0", 600, 4)],
+    ids=["one-chunk", "many-chunks-native", "many-chunks-forced-upcast"],
+)
+def test_half_within_twice_plain_error(monkeypatch, dtype, beta, native, length, chunk):
+    """Half inputs, masked rows, up to ~200 chunks, on both CPU GEMM paths
+    (``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the upcast one): within 2× the plain
+    same-dtype expression's error against float64."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    xs, ws, xt, wt, _, _, t = _inputs(3, dtype, bias=False, length=length, v=301, fs=32, ft=24)
     xs.requires_grad_()
     ws.requires_grad_()
-    got = linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=beta, reduction="none")
+    options = None if chunk is None else LinearCrossEntropyOptions(batch_chunk_size=chunk)
+    got = linear_ce.linear_divergence(
+        xs, ws, xt, wt, t, beta=beta, reduction="none", options=options
+    )
     up = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     got_grads = torch.autograd.grad((got * up.float()).sum(), (xs, ws))
     wide = [a.detach().double().requires_grad_() for a in (xs, ws)]

@@ -60,7 +60,7 @@ from linear_ce.functional import reported_dtype
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 from linear_ce.ops import _check_targets, hand_over_gradients
-from linear_ce.ops_divergence import run_divergence
+from linear_ce.ops_divergence import run_divergence, scalar_row_weight
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, acc_dtype_for, make_plan
@@ -650,16 +650,14 @@ class _VocabParallelDivergence(torch.autograd.Function):
             )
             loss = head.loss
         else:
-            row_weight = valid.to(acc_dtype_for(input.dtype, spec.options.acc_dtype))
-            count = valid.sum()
-            if reduction == "mean":
-                row_weight = row_weight / count
+            acc = acc_dtype_for(input.dtype, spec.options.acc_dtype)
+            row_weight = scalar_row_weight(valid, reduction, acc)
             head, grads = _shard_divergence(
                 spec, input, weight, bias, row_weight, spec.needs, spec.entropy
             )
             ctx.grads = [grads.input, grads.weight, grads.bias]
             loss = head.loss.sum()
-            loss = loss / count if reduction == "mean" else loss
+            loss = loss / valid.sum() if reduction == "mean" else loss
         entropy = head.entropy if spec.entropy else loss.new_empty((0,))
         ctx.mark_non_differentiable(entropy)
         return loss, entropy
@@ -755,11 +753,10 @@ def vocab_parallel_linear_divergence(
         shift=shift,
         reduction=reduction,
         hard_weight=hard_weight,
+        return_entropy=return_entropy,
         num_classes=num_classes,
     )
     call = checked.call
-    if not isinstance(return_entropy, bool):
-        raise ValueError(f"{name}: return_entropy must be a bool, got {return_entropy!r}")
     if checked.hard_weight > 0.0:
         _check_targets(call, num_classes)
     options = resolve_options(options, name)

@@ -125,6 +125,7 @@ def check_divergence_call(
     shift: bool | int,
     reduction: str,
     hard_weight: float,
+    return_entropy: bool = False,
     num_classes: int | None = None,
 ) -> DivergenceCall:
     """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
@@ -150,6 +151,8 @@ def check_divergence_call(
         fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
     if hard_weight > 0.0 and target is None:
         fail("hard_weight > 0 needs target (the hard labels)")
+    if not isinstance(return_entropy, bool):
+        fail(f"return_entropy must be a bool, got {return_entropy!r}")
     check_softcap(teacher_softcap)
     check_scales(name, teacher_logit_scale, temperature)
     batch = tuple(student_input.shape[:-1])
@@ -182,9 +185,7 @@ def _mean_denominator(arguments: dict, num_classes: int) -> torch.Tensor:
     """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
     split along rows)."""
     names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
-    keywords = {
-        k: v for k, v in arguments.items() if k not in (*names, "options", "return_entropy")
-    }
+    keywords = {k: v for k, v in arguments.items() if k not in (*names, "options")}
     checked = check_divergence_call(
         _NAME, *(arguments.get(k) for k in names), **keywords, num_classes=num_classes
     )
@@ -302,10 +303,9 @@ def linear_divergence(
         shift=shift,
         reduction=reduction,
         hard_weight=hard_weight,
+        return_entropy=return_entropy,
     )
     call, teacher = checked.call, checked.teacher
-    if not isinstance(return_entropy, bool):
-        raise ValueError(f"{_NAME}: return_entropy must be a bool, got {return_entropy!r}")
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
     loss, entropy, *_grads = divergence(

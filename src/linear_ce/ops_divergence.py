@@ -32,7 +32,7 @@ from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["DIVERGENCE_SHARE", "divergence", "run_divergence"]
+__all__ = ["DIVERGENCE_SHARE", "divergence", "run_divergence", "scalar_row_weight"]
 
 #: The share of the student's gradient bytes the two (or three) logits tiles may take:
 #: with the gradients themselves and the blocked scratch the call stays within 1.5× of
@@ -115,7 +115,7 @@ def run_divergence(
     return head, grads
 
 
-def _row_weight(valid: torch.Tensor, reduction: str, acc: torch.dtype) -> torch.Tensor:
+def scalar_row_weight(valid: torch.Tensor, reduction: str, acc: torch.dtype) -> torch.Tensor:
     """The upstream gradient of each row of a scalar loss: 1 ("sum") or 1/count ("mean")."""
     weight = valid.to(acc)
     if reduction == "mean":
@@ -162,7 +162,7 @@ def divergence(
     valid = target != ignore_index
     scalar = reduction != "none"
     if scalar:
-        row_weight = _row_weight(valid, reduction, acc)
+        row_weight = scalar_row_weight(valid, reduction, acc)
         needs = (need_grad_input, need_grad_weight, need_grad_bias)
     else:
         row_weight = grad_rows
