@@ -7,8 +7,10 @@ ignored rows are never in a chunk) and each output position: the logits GEMM
 of ``eᵘ``, one combination of the row statistics over vocabulary shards, the
 head's per-row outputs, then — only if gradients are wanted — the head turns
 a tile into ``∂L/∂s`` and the two gradient GEMMs consume it. Nothing here
-grows with ``N·V``: the ``(B, V)`` tiles (one, two when the head keeps ``u``,
-one more for a softcap's derivative) are reused by every chunk.
+grows with ``N·V``: the ``(B, V)`` tiles (one, two when the head keeps ``u``
+for its gradient, one more for a softcap's derivative) are reused by every
+chunk. A head that keeps ``u`` but wants no gradient gets ``eᵘ`` a
+cache-sized block of columns at a time instead of a second tile.
 
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
@@ -33,7 +35,11 @@ from linear_ce.row_chunks import chunk_size, row_chunks
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["Companion", "Gradients", "run_chunks", "tiles_for"]
+__all__ = ["Companion", "Gradients", "keeps_second_tile", "run_chunks", "tiles_for"]
+
+#: Elements of the block of ``eᵘ`` formed at a time when no second tile is kept (512 KiB
+#: in fp32: it stays in L2 between the exponential and the head's row sums).
+EXP_BLOCK_ELEMENTS = 1 << 17
 
 
 @dataclasses.dataclass
@@ -58,13 +64,23 @@ class Companion:
     gemm: Gemm
 
 
+def keeps_second_tile(keeps_logits: bool, want_grads: bool, companion: bool) -> bool:
+    """Whether the loop holds ``eᵘ`` in a tile of its own next to ``u``: for a head that
+    keeps ``u`` (``keeps_logits``) when it forms a gradient, or reads a companion's tile
+    alongside; otherwise ``eᵘ`` is formed a block of columns at a time."""
+    return keeps_logits and (want_grads or companion)
+
+
 def tiles_for(
     keeps_logits: bool, transform: LogitTransform, want_grads: bool, companion: bool = False
 ) -> int:
     """How many ``(B, V)`` tiles the loop holds for a head (its ``keeps_logits``, and a
     companion's tile): the divisor of the chunk planner's budget."""
     return (
-        1 + int(keeps_logits) + int(companion) + int(want_grads and transform.softcap is not None)
+        1
+        + int(keeps_second_tile(keeps_logits, want_grads, companion))
+        + int(companion)
+        + int(want_grads and transform.softcap is not None)
     )
 
 
@@ -95,7 +111,18 @@ def run_chunks(
     chunks = row_chunks(head.valid, chunk, device)
     gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
     tile = gemm.logits_buffer(chunk, local_classes, acc, device)
-    exp_tile = torch.empty_like(tile) if head.keeps_logits else None
+    exp_tile = (
+        torch.empty_like(tile)
+        if keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
+        else None
+    )
+    exp_step = max(1, EXP_BLOCK_ELEMENTS // chunk)
+    exp_block = (
+        gemm.logits_buffer(chunk, exp_step, acc, device)
+        if head.keeps_logits and exp_tile is None
+        else None
+    )
+    block_sums = torch.empty((chunk, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
     x_rows_buf = (
         torch.empty((chunk, in_features), dtype=input.dtype, device=device) if gathered else None
@@ -140,9 +167,13 @@ def run_chunks(
             u.sub_(row_max[:, None])
             stats = stats_buf[:n]
             head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
-            e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
-            torch.sum(e, dim=1, out=stats[:, 0])
-            head.sums_after_exp(u, e, stats[:, 1:])
+            if exp_block is not None:
+                _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n])
+                e = None
+            else:
+                e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
+                torch.sum(e, dim=1, out=stats[:, 0])
+                head.sums_after_exp(u, e, stats[:, 1:])
             vocab.sum_(stats)
             sum_exp = stats[:, 0]
             log_sum_exp = sum_exp.log()
@@ -181,6 +212,28 @@ def run_chunks(
         weight=None if grad_w is None else grad_w.finish(),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
+
+
+def _sums_in_blocks(
+    head: Head, u: torch.Tensor, block: torch.Tensor, stats: torch.Tensor, part: torch.Tensor
+) -> None:
+    """``Σ eᵘ`` and the head's ``sums_after_exp`` a block of columns at a time, ``eᵘ``
+    formed in ``block``. Row sums add up over blocks: the first block's are written
+    into ``stats``, each later block's into ``part`` (zeroed: the head writes only its
+    own slots) and added."""
+    step = block.shape[1]
+    for start in range(0, u.shape[1], step):
+        u_part = u[:, start : start + step]
+        e = block[:, : u_part.shape[1]]
+        torch.exp(u_part, out=e)
+        if start == 0:
+            torch.sum(e, dim=1, out=stats[:, 0])
+            head.sums_after_exp(u_part, e, stats[:, 1:])
+            continue
+        stats[:, 0].add_(e.sum(1))
+        part.zero_()
+        head.sums_after_exp(u_part, e, part)
+        stats[:, 1:].add_(part)
 
 
 class _CompanionBuffers:

@@ -58,7 +58,7 @@ from linear_ce.chunked import run_chunks, tiles_for
 from linear_ce.divergence import DivergenceCall, check_divergence_call
 from linear_ce.functional import reported_dtype
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
-from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
+from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
 from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.ops_divergence import run_divergence, scalar_row_weight
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
@@ -67,6 +67,7 @@ from linear_ce.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.token_logprobs import TokenLogprobs
 from linear_ce.token_objective import objective_loss
 from linear_ce.transform import check_scales
+from linear_ce.vocab_pass import run_vocab_pass
 
 __all__ = [
     "VocabShard",
@@ -415,11 +416,13 @@ class _TokenSpec:
     plan: Plan
     shard: VocabShard
     outputs: TokenOutputs
+    options: LinearCrossEntropyOptions
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
-    """Per-token outputs of one shard's call; backward reruns the chunks with the
-    upstream gradients (``2·K`` all_reduce again, plus one of the input gradient)."""
+    """Per-token outputs of one shard's call; backward runs the vocabulary pass over the
+    shard with the forward's row statistics (no collective but the input gradient's
+    all_reduce)."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, spec: _TokenSpec):
@@ -440,7 +443,10 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         )
         ctx.spec = spec
         ctx.save_for_backward(
-            input.detach(), weight.detach(), None if bias is None else bias.detach()
+            input.detach(),
+            weight.detach(),
+            None if bias is None else bias.detach(),
+            head.row_stats,
         )
         acc = head.logprob.dtype
 
@@ -459,29 +465,40 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy, *_statistics):
         spec: _TokenSpec = ctx.spec
-        input, weight, bias = ctx.saved_tensors
+        input, weight, bias, row_stats = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None
-        head = _token_head(
-            spec.call,
-            spec.shard,
-            spec.plan,
-            outputs=TokenOutputs(),
-            grad_logprob=grad_logprob,
-            grad_entropy=grad_entropy,
+        call = spec.call
+        head = TokenLogprobGradient(
+            call.target.long(),
+            call.target != call.ignore_index,
+            spec.shard.start,
+            row_stats,
+            grad_logprob,
+            grad_entropy,
         )
-        grads = run_chunks(
+        rows, in_features = input.shape
+        plan = make_plan(
+            rows,
+            in_features,
+            weight.shape[0],
+            input.dtype,
+            input.device,
+            spec.options,
+            tiles=tiles_for(False, call.transform, True),
+            vocab_pass=True,
+        )
+        grads = run_vocab_pass(
             input,
             weight,
             bias,
             head,
-            spec.call.transform,
-            spec.plan,
+            call.transform,
+            plan,
             grad_input=need_x,
             grad_weight=need_w,
             grad_bias=need_b and bias is not None,
-            vocab=spec.shard,
         )
         if grads.input is not None:
             spec.shard.sum_(grads.input)
@@ -527,8 +544,8 @@ def vocab_parallel_token_logprobs(
     ``input`` and ``target``; every rank gets the same outputs, equal to
     ``token_logprobs`` on the full weight. The row statistics are combined with the
     collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
-    rows, in forward and again in backward, plus one all_reduce of the input gradient);
-    the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
+    rows in forward; backward uses the forward's row statistics and needs only one
+    all_reduce, of the input gradient); the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
     the same SUM all_reduce.
 
     Example (under ``torchrun``)::
@@ -577,10 +594,11 @@ def vocab_parallel_token_logprobs(
         call.input.dtype,
         call.input.device,
         options,
-        tiles=tiles_for(entropy, call.transform, True),
+        tiles=tiles_for(entropy, call.transform, False),
     )
     asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
-    spec = _TokenSpec(call, plan, VocabShard(vocab_start, num_classes, process_group), asked)
+    shard = VocabShard(vocab_start, num_classes, process_group)
+    spec = _TokenSpec(call, plan, shard, asked, options)
     logprob, ent, is_top1, sq, mean = _VocabParallelTokenLogprobs.apply(
         call.input, call.linear_weight, call.linear_bias, spec
     )

@@ -2,11 +2,15 @@
 statistics of :class:`~linear_ce.losses.token_logprob.TokenOutputs` as a custom op.
 
 Forward runs the chunk loop with :class:`~linear_ce.losses.token_logprob.TokenLogprobHead`
-and no gradient GEMM; the upstream gradients of ``logprob`` and ``entropy`` are
-known only in backward, which reruns the loop with them (one more logits GEMM
-per chunk, no ``(N, V)`` state). An upstream gradient that does not flow (an
-output nobody differentiated) is ``None`` and costs nothing. ``log_sum_sq_prob``
-and ``mean_logit`` are statistics without a gradient (marked non-differentiable).
+and no gradient GEMM, and also returns each row's log-normaliser. The upstream gradients
+of ``logprob`` and ``entropy`` are known only in backward: it takes the forward's
+log-normaliser and entropy and runs the vocabulary pass
+(:mod:`linear_ce.vocab_pass`: one more logits GEMM, no row reduction, no ``(N, V)``
+state). Called with upstream gradients but without those statistics (as
+:func:`linear_ce.token_logprobs.token_logprobs_vjp` is), it reruns the chunk loop with
+them instead. An upstream gradient that does not flow (an output nobody differentiated)
+is ``None`` and costs nothing. ``log_sum_sq_prob`` and ``mean_logit`` are statistics
+without a gradient (marked non-differentiable).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from linear_ce.chunked import Gradients, run_chunks, tiles_for
-from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
+from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
 from linear_ce.ops import (
     _gradient_outputs,
     _options,
@@ -27,6 +31,7 @@ from linear_ce.ops import (
 )
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
+from linear_ce.vocab_pass import run_vocab_pass
 
 __all__ = ["token_rows"]
 
@@ -82,6 +87,48 @@ def _head_and_grads(
     return head, grads
 
 
+def _vocab_pass_grads(
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    grad_logprob,
+    grad_entropy,
+    row_stats,
+    ignore_index,
+    transform,
+    options,
+    needs,
+) -> Gradients:
+    transform = LogitTransform.from_list(transform)
+    head = TokenLogprobGradient(
+        target.long(), target != ignore_index, 0, row_stats, grad_logprob, grad_entropy
+    )
+    rows, in_features = input.shape
+    plan = make_plan(
+        rows,
+        in_features,
+        linear_weight.shape[0],
+        input.dtype,
+        input.device,
+        options,
+        tiles=tiles_for(False, transform, True),
+        vocab_pass=True,
+    )
+    need_x, need_w, need_b = needs
+    return run_vocab_pass(
+        input,
+        linear_weight,
+        linear_bias,
+        head,
+        transform,
+        plan,
+        grad_input=need_x,
+        grad_weight=need_w,
+        grad_bias=need_b and linear_bias is not None,
+    )
+
+
 @torch.library.custom_op("linear_ce::token_rows", mutates_args=())
 def token_rows(
     input: torch.Tensor,
@@ -90,6 +137,7 @@ def token_rows(
     linear_bias: torch.Tensor | None,
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
+    row_stats: torch.Tensor | None,
     ignore_index: int,
     transform: Sequence[float],
     outputs: str,
@@ -109,12 +157,16 @@ def token_rows(
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
+    torch.Tensor,
 ]:
-    """Without upstream gradients: ``(logprob, entropy, top1, log_sum_sq_prob,
-    mean_logit)`` of shape ``(N, P)`` (each but ``logprob`` empty unless ``outputs``,
-    a :meth:`TokenOutputs.encode` string, asks for it) and three empty gradients. With
-    ``grad_logprob`` and/or ``grad_entropy`` ``(N, P)``: their vector-Jacobian product
-    for input, weight and bias in the last three slots."""
+    """Without upstream gradients: ``(logprob, row_stats, entropy, top1,
+    log_sum_sq_prob, mean_logit)``, each ``(N, P)`` but ``row_stats`` ``(N, P, 3)``
+    (:attr:`TokenLogprobHead.row_stats`), those after it empty unless ``outputs``, a
+    :meth:`TokenOutputs.encode` string, asks for them, and three empty gradients. With
+    ``grad_logprob`` and/or ``grad_entropy`` ``(N, P)``: the six outputs empty and
+    their vector-Jacobian product for input, weight and bias in the last three slots,
+    by the vocabulary pass when the forward's ``row_stats`` are given, else by
+    rerunning the chunk loop."""
     backward = grad_logprob is not None or grad_entropy is not None
     needs = (
         backward and need_grad_input,
@@ -122,8 +174,76 @@ def token_rows(
         backward and need_grad_bias,
     )
     options = _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype)
-    asked = TokenOutputs() if backward else TokenOutputs.decode(outputs)
-    head, grads = _head_and_grads(
+    acc = acc_dtype_for(input.dtype, acc_dtype)
+
+    def empty(dtype: torch.dtype = acc) -> torch.Tensor:
+        return input.new_empty((0,), dtype=dtype)
+
+    if backward:
+        call = _recomputed_grads if row_stats is None else _vocab_pass_grads
+        grads = call(
+            input,
+            linear_weight,
+            target,
+            linear_bias,
+            grad_logprob,
+            grad_entropy,
+            row_stats,
+            ignore_index,
+            transform,
+            options,
+            needs,
+        )
+        return (
+            *(empty() for _ in range(3)),
+            empty(torch.bool),
+            empty(),
+            empty(),
+            *_gradient_outputs(grads, input),
+        )
+    asked = TokenOutputs.decode(outputs)
+    head, _ = _head_and_grads(
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        None,
+        None,
+        ignore_index,
+        transform,
+        asked,
+        options,
+        needs,
+    )
+
+    def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype = acc) -> torch.Tensor:
+        return value if on else empty(dtype)
+
+    return (
+        head.logprob,
+        head.row_stats,
+        given(head.entropy, asked.entropy),
+        given(head.top1, asked.top1, torch.bool),
+        given(head.log_sum_sq_prob, asked.log_sum_sq_prob),
+        given(head.mean_logit, asked.mean_logit),
+        *_gradient_outputs(Gradients(None, None, None), input),
+    )
+
+
+def _recomputed_grads(
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    grad_logprob,
+    grad_entropy,
+    _row_stats,
+    ignore_index,
+    transform,
+    options,
+    needs,
+) -> Gradients:
+    return _head_and_grads(
         input,
         linear_weight,
         target,
@@ -132,23 +252,10 @@ def token_rows(
         grad_entropy,
         ignore_index,
         transform,
-        asked,
+        TokenOutputs(),
         options,
         needs,
-    )
-    acc = head.logprob.dtype
-
-    def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype) -> torch.Tensor:
-        return value if on else input.new_empty((0,), dtype=dtype)
-
-    return (
-        head.logprob,
-        given(head.entropy, asked.entropy, acc),
-        given(head.top1, asked.top1, torch.bool),
-        given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc),
-        given(head.mean_logit, asked.mean_logit, acc),
-        *_gradient_outputs(grads, input),
-    )
+    )[1]
 
 
 @token_rows.register_fake
@@ -159,6 +266,7 @@ def _token_rows_fake(
     linear_bias,
     grad_logprob,
     grad_entropy,
+    row_stats,
     ignore_index,
     transform,
     outputs,
@@ -172,16 +280,21 @@ def _token_rows_fake(
 ):
     acc = acc_dtype_for(input.dtype, acc_dtype)
     backward = grad_logprob is not None or grad_entropy is not None
-    asked = TokenOutputs() if backward else TokenOutputs.decode(outputs)
-    rows_shape = target.shape
+    asked = TokenOutputs.decode(outputs)
+
+    def rows_if(on: bool, dtype: torch.dtype = acc, extra: tuple[int, ...] = ()) -> torch.Tensor:
+        shape = (*target.shape, *extra) if on and not backward else (0,)
+        return input.new_empty(shape, dtype=dtype)
+
     grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:-1])
     needs = (need_grad_input, need_grad_weight, need_grad_bias and linear_bias is not None)
     return (
-        input.new_empty(rows_shape, dtype=acc),
-        input.new_empty(rows_shape if asked.entropy else (0,), dtype=acc),
-        input.new_empty(rows_shape if asked.top1 else (0,), dtype=torch.bool),
-        input.new_empty(rows_shape if asked.log_sum_sq_prob else (0,), dtype=acc),
-        input.new_empty(rows_shape if asked.mean_logit else (0,), dtype=acc),
+        rows_if(True),
+        rows_if(True, extra=(3,)),
+        rows_if(asked.entropy),
+        rows_if(asked.top1, torch.bool),
+        rows_if(asked.log_sum_sq_prob),
+        rows_if(asked.mean_logit),
         *(
             input.new_empty(shape if backward and need else (0,))
             for shape, need in zip(grad_shapes, needs, strict=True)
@@ -191,23 +304,24 @@ def _token_rows_fake(
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[3], output[4])
+    ctx.mark_non_differentiable(output[1], output[4], output[5])
     input, linear_weight, target, linear_bias = inputs[:4]
     ctx.save_for_backward(
         input.detach(),
         linear_weight.detach(),
         target,
         None if linear_bias is None else linear_bias.detach(),
+        output[1],
     )
-    ctx.args = inputs[6:13]
+    ctx.args = inputs[7:14]
 
 
-def _backward(ctx, grad_logprob, grad_entropy, *_unused):
-    input, linear_weight, target, linear_bias = ctx.saved_tensors
+def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, *_unused):
+    input, linear_weight, target, linear_bias, row_stats = ctx.saved_tensors
     needs = ctx.needs_input_grad
     need_input, need_weight = needs[0], needs[1]
     need_bias = linear_bias is not None and needs[3]
-    result = [None] * 16
+    result = [None] * 17
     if (grad_logprob is None and grad_entropy is None) or not (
         need_input or need_weight or need_bias
     ):
@@ -219,6 +333,7 @@ def _backward(ctx, grad_logprob, grad_entropy, *_unused):
         linear_bias,
         None if grad_logprob is None else grad_logprob.contiguous(),
         None if grad_entropy is None else grad_entropy.contiguous(),
+        row_stats,
         *ctx.args,
         need_input,
         need_weight,

@@ -18,11 +18,13 @@ from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 __all__ = [
     "BUDGET_SHARE",
     "HALF_CPU_BUDGET_SHARE",
+    "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
     "ROW_MULTIPLE",
     "Plan",
     "acc_dtype_for",
     "choose_chunk_rows",
+    "choose_vocab_blocks",
     "make_plan",
 ]
 
@@ -43,6 +45,13 @@ BUDGET_SHARE = 0.25
 #: of this share, within the 2.5× of the gradients' bytes half inputs may take. The
 #: native path keeps the quarter: its half temporaries would take it past 2.5×.
 HALF_CPU_BUDGET_SHARE = 0.5
+#: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.vocab_pass`) before its
+#: rows are split into groups: the block's three GEMMs have ``C`` as a dimension (and the
+#: input gradient's as its inner one), and stay within ~10% of their large-block rate from
+#: 512 classes on (2-core Zen 4, N=2048, D=1024).
+MIN_CLASS_BLOCK = 512
+#: Class blocks are rounded down to a multiple of this.
+CLASS_MULTIPLE = 128
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -52,6 +61,8 @@ class Plan:
 
     Attributes:
         rows_per_chunk: rows of the input processed together.
+        classes_per_block: classes of each vocabulary block of the vocabulary pass
+            (:mod:`linear_ce.vocab_pass`); the whole vocabulary in the chunk loop.
         input_dtype: dtype of input, weight and the returned gradients.
         acc_dtype: dtype of the ``(chunk, V)`` logits/softmax buffer, the row
             statistics, the loss and the grad-input accumulator.
@@ -66,6 +77,7 @@ class Plan:
     """
 
     rows_per_chunk: int
+    classes_per_block: int
     input_dtype: torch.dtype
     acc_dtype: torch.dtype
     weight_grad_dtype: torch.dtype
@@ -113,6 +125,48 @@ def choose_chunk_rows(
     return max(1, min(rows, max(budget_rows, MIN_EFFICIENT_ROWS // divisor)))
 
 
+def choose_vocab_blocks(
+    rows: int,
+    in_features: int,
+    num_classes: int,
+    options: LinearCrossEntropyOptions,
+    input_dtype: torch.dtype,
+    acc_dtype: torch.dtype,
+    bytes_per_logit: float,
+    share: float = BUDGET_SHARE,
+) -> tuple[int, int]:
+    """``(rows per group, classes per block)`` of the vocabulary pass.
+
+    Its ``(rows, C)`` tiles take ``bytes_per_logit`` bytes per logit (the tiles, and a
+    tile's operand copy where the GEMM operands have another dtype) and may take the
+    same budget as the chunk loop's, ``share / N`` of the gradients' bytes for
+    ``"budget[:N]"``/``"auto"``. Every row goes into one group, so each block's weight
+    gradient is one GEMM over all rows, unless that leaves fewer than
+    ``MIN_CLASS_BLOCK`` classes: then groups of rows are sized for that many classes
+    (never fewer than ``MIN_EFFICIENT_ROWS`` rows). ``batch_chunk_size``,
+    ``"aspect_ratio"`` and ``None`` set the groups as they set the chunk loop's chunks.
+    Blocks are rounded down to a multiple of ``CLASS_MULTIPLE``, within ``[1, V]``.
+    """
+    if rows == 0 or num_classes == 0:
+        return 1, max(num_classes, 1)
+    method, divisor = parse_chunking_method(options.chunking_method)
+    budget = share * (rows + num_classes) * in_features * input_dtype.itemsize / divisor
+    budgeted = options.batch_chunk_size is None and method in ("auto", "budget")
+    if budgeted:
+        group = rows
+        if budget // (group * bytes_per_logit) < MIN_CLASS_BLOCK:
+            group = int(budget // (MIN_CLASS_BLOCK * bytes_per_logit))
+            if group >= ROW_MULTIPLE:
+                group -= group % ROW_MULTIPLE
+            group = max(1, min(rows, max(group, MIN_EFFICIENT_ROWS // divisor)))
+    else:
+        group = choose_chunk_rows(rows, in_features, num_classes, options, input_dtype, acc_dtype)
+    classes = int(budget // (group * bytes_per_logit))
+    if classes >= CLASS_MULTIPLE:
+        classes -= classes % CLASS_MULTIPLE
+    return group, max(1, min(num_classes, max(classes, MIN_CLASS_BLOCK // divisor)))
+
+
 def acc_dtype_for(input_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
     """The accumulation dtype: ``requested``, or float32 for half inputs, else the input's."""
     if requested is None:
@@ -136,6 +190,7 @@ def make_plan(
     options: LinearCrossEntropyOptions,
     tiles: int = 1,
     share: float | None = None,
+    vocab_pass: bool = False,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -152,6 +207,10 @@ def make_plan(
     ``share`` is the chunk rule's share of the gradients' bytes (see
     :func:`choose_chunk_rows`); ``None``: ``HALF_CPU_BUDGET_SHARE`` for half inputs on a
     CPU without native half GEMMs (``BlockUpcast``), else ``BUDGET_SHARE``.
+
+    ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.vocab_pass`) with
+    ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
+    :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``.
     """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
@@ -183,10 +242,21 @@ def make_plan(
         weight_grad = "split"
     else:
         weight_grad = "wide"
-    return Plan(
-        rows_per_chunk=choose_chunk_rows(
+    if vocab_pass:
+        per_logit = tiles * acc_dtype.itemsize
+        if gemm.operand_dtype != acc_dtype:
+            per_logit += gemm.operand_dtype.itemsize
+        rows_per_chunk, classes_per_block = choose_vocab_blocks(
+            rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit
+        )
+    else:
+        rows_per_chunk = choose_chunk_rows(
             rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles, share
-        ),
+        )
+        classes_per_block = num_classes
+    return Plan(
+        rows_per_chunk=rows_per_chunk,
+        classes_per_block=classes_per_block,
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,
         weight_grad_dtype=weight_grad_dtype,

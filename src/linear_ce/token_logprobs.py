@@ -139,11 +139,12 @@ def token_logprobs(
     asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
-    logprob, ent, is_top1, sq, mean = token_rows(
+    logprob, _row_stats, ent, is_top1, sq, mean = token_rows(
         call.input,
         call.linear_weight,
         call.target,
         call.linear_bias,
+        None,
         None,
         None,
         call.ignore_index,
@@ -156,7 +157,7 @@ def token_logprobs(
         grad_on and call.input.requires_grad,
         grad_on and call.linear_weight.requires_grad,
         grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-    )[:5]
+    )[:6]
     shape = call.loss_shape
     return TokenLogprobs(
         logprob.view(shape),
@@ -228,6 +229,7 @@ def token_logprobs_vjp(
         call.linear_bias,
         rows(grad_logprob),
         rows(grad_entropy),
+        None,
         call.ignore_index,
         call.transform.as_list(),
         TokenOutputs().encode(),

@@ -36,7 +36,7 @@ import torch
 
 from linear_ce.row_chunks import RowChunk
 
-__all__ = ["Head", "RowStats"]
+__all__ = ["Head", "KnownStatsHead", "RowStats"]
 
 
 @dataclasses.dataclass
@@ -88,3 +88,18 @@ class Head(Protocol):
         factor: float,
     ) -> torch.Tensor:
         """Overwrite a tile with ``factor · ∂L/∂s`` and return it."""
+
+
+class KnownStatsHead(Protocol):
+    """A head of the vocabulary pass (:mod:`linear_ce.vocab_pass`): its row statistics
+    (the log-normaliser and what else its gradient needs) came from a forward, so each
+    logit's gradient is a function of that logit and its row alone."""
+
+    #: ``(N, P)`` bool: the rows (and positions) that carry an output; the others are skipped.
+    valid: torch.Tensor
+
+    def grad_block(
+        self, s: torch.Tensor, rows: RowChunk, p: int, classes: slice, factor: float
+    ) -> None:
+        """Overwrite ``s`` ``(B, C)``, the transformed logits of ``rows`` at position ``p``
+        for the local classes ``classes``, with ``factor · ∂L/∂s``."""

@@ -44,10 +44,13 @@ import torch
 from linear_ce.losses.base import RowStats
 from linear_ce.row_chunks import RowChunk
 
-__all__ = ["TOP1_RULES", "TokenLogprobHead", "TokenOutputs"]
+__all__ = ["TOP1_RULES", "TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
 
 #: Vocabulary columns per step of the blocked row dot products (a small scratch).
 _BLOCK = 2048
+#: Elements of one cache-sized piece of a tile that the vocabulary pass's gradient works
+#: through at once (256 KiB in fp32: its exponential and the tile's piece stay in L2).
+_PIECE_ELEMENTS = 1 << 16
 
 #: How ``top1`` treats a tie at the maximum (see the module docstring).
 TOP1_RULES = ("unique", "argmax")
@@ -138,6 +141,9 @@ class TokenLogprobHead:
             return torch.zeros(valid.shape, dtype=dtype, device=target.device) if on else None
 
         self.logprob = zeros(True)
+        #: Per row: the row max m, log Z and μ (zero without entropy): what the
+        #: vocabulary pass's gradient (TokenLogprobGradient) needs from this forward.
+        self.row_stats = torch.zeros((*valid.shape, 3), dtype=acc_dtype, device=target.device)
         self.entropy = zeros(self.entropy_on)
         self.top1 = zeros(self.top1_on, torch.bool)
         self.log_sum_sq_prob = zeros(self.sq_on)
@@ -204,9 +210,12 @@ class TokenLogprobHead:
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         sums, slot = stats.sums, self.slot
         self.logprob[rows, p] = sums[:, slot["target"]] - stats.log_sum_exp
+        self.row_stats[rows, p, 0] = stats.row_max
+        self.row_stats[rows, p, 1] = stats.log_sum_exp
         if self.entropy_on:
             self.row_mean_u = sums[:, slot["dot"]] / stats.sum_exp
             self.entropy[rows, p] = stats.log_sum_exp - self.row_mean_u
+            self.row_stats[rows, p, 2] = self.row_mean_u
         if self.sq_on:
             self.log_sum_sq_prob[rows, p] = sums[:, slot["sq"]].log() - 2 * stats.log_sum_exp
         if self.mean_on:
@@ -243,3 +252,87 @@ class TokenLogprobHead:
             None if self.grad_logprob is None else self.grad_logprob[rows, p],
             None if self.grad_entropy is None else self.grad_entropy[rows, p],
         )
+
+
+class TokenLogprobGradient:
+    r"""The gradient of :class:`TokenLogprobHead`'s ``logprob`` and ``entropy`` from the
+    forward's row statistics, for the vocabulary pass (:mod:`linear_ce.vocab_pass`).
+
+    With the forward's ``row_stats`` ``(N, P, 3)`` (:attr:`TokenLogprobHead.row_stats`:
+    the row max :math:`m`, :math:`\log Z` and :math:`\mu`), upstream gradients
+    :math:`g` (of :math:`\log p_t`) and :math:`h` (of :math:`H`), and
+    :math:`u = s - m`:
+
+    .. math::
+
+        \frac{\partial L}{\partial s_j} = g\,[j = t]
+            - p_j \left(g + h\,(u_j - \mu)\right), \qquad
+        p_j = e^{u_j - \log Z}.
+
+    :math:`u - \mu` is formed from the three statistics as the chunk loop forms it
+    (:meth:`TokenLogprobHead.grad_tile`), not as :math:`\log p + H`, whose two
+    :math:`\log Z` terms cancel and cost ~3× the rounding in the entropy's gradient.
+    ``grad_logprob`` / ``grad_entropy`` are ``(N, P)`` (``None``: none flows; not both);
+    ``target`` indexes the whole vocabulary, of which this process holds
+    ``[vocab_start, vocab_start + local_classes)``.
+    """
+
+    def __init__(
+        self,
+        target: torch.Tensor,
+        valid: torch.Tensor,
+        vocab_start: int,
+        row_stats: torch.Tensor,
+        grad_logprob: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+    ) -> None:
+        if grad_logprob is None and grad_entropy is None:
+            raise ValueError("TokenLogprobGradient needs grad_logprob or grad_entropy")
+        self.target, self.valid, self.start = target, valid, vocab_start
+        self.row_stats = row_stats
+        self.grad_logprob, self.grad_entropy = grad_logprob, grad_entropy
+        self._piece: torch.Tensor | None = None
+
+    def grad_block(
+        self, s: torch.Tensor, rows: RowChunk, p: int, classes: slice, factor: float
+    ) -> None:
+        dtype = s.dtype
+        stats = self.row_stats[rows, p].to(dtype)
+        row_max, log_z, mean_u = (stats[:, i : i + 1] for i in range(3))
+        g = None if self.grad_logprob is None else self.grad_logprob[rows, p].to(dtype) * factor
+        neg_g = None if g is None else (-g)[:, None]
+        neg_h = (
+            None
+            if self.grad_entropy is None
+            else (-(self.grad_entropy[rows, p].to(dtype) * factor))[:, None]
+        )
+        step = max(1, _PIECE_ELEMENTS // max(s.shape[0], 1))
+        for start in range(0, s.shape[1], step):
+            part = s[:, start : start + step]
+            u = part.sub_(row_max)
+            if neg_h is None:
+                # Only log p_t flows: −g·p, then the target's g.
+                u.sub_(log_z).exp_().mul_(neg_g)
+                continue
+            e = self._piece_buffer(part)
+            torch.sub(u, log_z, out=e).exp_()
+            u.sub_(mean_u)
+            if neg_g is None:
+                u.mul_(neg_h)
+            else:
+                torch.addcmul(neg_g, u, neg_h, out=u)
+            u.mul_(e)
+        if g is not None:
+            local = self.target[rows, p] - self.start - classes.start
+            hit = ((local >= 0) & (local < s.shape[1])).nonzero()[:, 0]
+            s.index_put_((hit, local[hit]), g[hit], accumulate=True)
+
+    def _piece_buffer(self, part: torch.Tensor) -> torch.Tensor:
+        rows, width = part.shape
+        if self._piece is None or self._piece.numel() < rows * width:
+            self._piece = torch.empty(
+                max(_PIECE_ELEMENTS, rows * width), dtype=part.dtype, device=part.device
+            )
+        flat = self._piece[: rows * width]
+        # In the tile's own layout (class-major on CPU), so both are read in the same order.
+        return flat.view(width, rows).T if part.stride(0) == 1 else flat.view(rows, width)

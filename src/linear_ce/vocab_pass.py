@@ -1,0 +1,130 @@
+r"""The gradient pass over vocabulary blocks, for heads whose row statistics are known.
+
+Once a forward has produced each row's log-normaliser (and what else its head's
+gradient needs, such as the entropy), the gradient of a logit depends on that logit and
+its row's statistics alone: no row reduction, no collective over vocabulary shards. This
+pass therefore walks the vocabulary in blocks of ``C`` classes and takes every valid row
+of a block at once (or large groups of rows, see
+:func:`linear_ce.plan.choose_vocab_blocks`). Per block ``b`` and group of rows ``X``:
+
+.. math::
+
+    S = X W_b^\top + b_b, \quad
+    G = \partial L / \partial S \text{ (the head, in place)}, \quad
+    \nabla W_b \mathrel{+}= G^\top X, \quad
+    \nabla X \mathrel{+}= G W_b.
+
+With one group the weight gradient of a block is written by one GEMM whose inner
+dimension is the number of rows, instead of being summed over row chunks: the GEMMs
+stay large, and half inputs get a single rounding of it. Nothing grows with
+``N·V``: the ``(rows, C)`` tile (one more for a softcap's derivative) is reused by
+every block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from linear_ce.chunked import Gradients
+from linear_ce.losses.base import KnownStatsHead
+from linear_ce.plan import Plan
+from linear_ce.row_chunks import chunk_size, row_chunks
+from linear_ce.transform import LogitTransform
+
+__all__ = ["run_vocab_pass"]
+
+
+def run_vocab_pass(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    head: KnownStatsHead,
+    transform: LogitTransform,
+    plan: Plan,
+    *,
+    grad_input: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> Gradients:
+    """The gradients of ``head``'s loss (its upstream gradients folded in) for ``input``
+    ``(N, F)``, ``weight`` ``(V, P, F)`` and ``bias`` ``(V, P)``, in vocabulary blocks of
+    ``plan.classes_per_block`` classes and groups of ``plan.rows_per_chunk`` valid rows."""
+    rows, in_features = input.shape
+    classes, positions, _ = weight.shape
+    acc, device, gemm = plan.acc_dtype, input.device, plan.gemm
+    group = min(plan.rows_per_chunk, max(rows, 1))
+    block = min(plan.classes_per_block, max(classes, 1))
+    groups = row_chunks(head.valid, group, device)
+    gathered = any(not isinstance(g, slice) for per_p in groups for g in per_p)
+    tile = gemm.logits_buffer(group, block, acc, device)
+    sech2_tile = torch.empty_like(tile) if transform.softcap is not None else None
+    x_rows_buf = (
+        torch.empty((group, in_features), dtype=input.dtype, device=device) if gathered else None
+    )
+    gx_rows_buf = (
+        torch.empty((group, in_features), dtype=acc, device=device)
+        if gathered and grad_input
+        else None
+    )
+    grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
+    grad_w = (
+        torch.zeros(weight.shape, dtype=plan.input_dtype, device=device) if grad_weight else None
+    )
+    # A half weight gradient is summed over groups in a block-sized fp32 scratch.
+    w_sum = (
+        torch.empty((block, in_features), dtype=acc, device=device)
+        if grad_weight and acc != plan.input_dtype
+        else None
+    )
+    grad_b = torch.zeros((classes, positions), dtype=acc, device=device) if grad_bias else None
+
+    for p in range(positions):
+        if not groups[p]:
+            continue
+        b_p = None if bias is None else bias[:, p].to(acc)
+        for start in range(0, classes, block):
+            span = slice(start, min(start + block, classes))
+            width = span.stop - span.start
+            w_op = gemm.weight_operand(weight[span, p, :])
+            if grad_weight:
+                w_acc = grad_w[span, p] if w_sum is None else w_sum[:width].zero_()
+            for group_rows in groups[p]:
+                n = chunk_size(group_rows)
+                sliced = isinstance(group_rows, slice)
+                if sliced:
+                    x_rows = input[group_rows]
+                else:
+                    x_rows = torch.index_select(input, 0, group_rows, out=x_rows_buf[:n])
+                x_op = gemm.operand(x_rows)
+                s = tile[:n, :width]
+                sech2 = None if sech2_tile is None else sech2_tile[:n, :width]
+                gemm.logits(s, x_op, w_op)
+                if b_p is not None:
+                    s.add_(b_p[span])
+                transform.apply_(s, sech2)
+                head.grad_block(s, group_rows, p, span, transform.factor)
+                if sech2 is not None:
+                    s.mul_(sech2)
+                if grad_bias:
+                    grad_b[span, p].add_(s.sum(0))
+                if not (grad_input or grad_weight):
+                    continue
+                g_op = gemm.operand(s)
+                if grad_input:
+                    if sliced:
+                        gemm.add_grad_input(grad_x[group_rows], g_op, w_op)
+                    else:
+                        gx = gx_rows_buf[:n].zero_()
+                        gemm.add_grad_input(gx, g_op, w_op)
+                        grad_x.index_add_(0, group_rows, gx)
+                if grad_weight:
+                    gemm.add_product(w_acc, g_op.T, x_op)
+            if grad_weight and w_sum is not None:
+                grad_w[span, p].copy_(w_acc)
+
+    out_dtype = plan.input_dtype
+    return Gradients(
+        input=None if grad_x is None else grad_x.to(out_dtype),
+        weight=grad_w,
+        bias=None if grad_b is None else grad_b.to(out_dtype),
+    )
