@@ -8,7 +8,7 @@ import torch
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.capability import native_half_gemm
 from linear_ce.gemm import BlockUpcast, CudaOutDtype, NativeHalf, SameDtype, Upcast
-from linear_ce.plan import choose_chunk_rows, make_plan
+from linear_ce.plan import choose_chunk_rows, choose_vocab_blocks, make_plan
 
 
 def test_defaults():
@@ -102,6 +102,35 @@ def test_plan_share_by_path(monkeypatch, dtype, native):
         assert isinstance(plan.gemm, NativeHalf) and plan.rows_per_chunk == 128
     if native == "0" and dtype != torch.float32:
         assert isinstance(plan.gemm, BlockUpcast)
+
+
+def _blocks(rows, features, classes, bytes_per_logit=4, **options):
+    return choose_vocab_blocks(
+        rows,
+        features,
+        classes,
+        LinearCrossEntropyOptions(**options),
+        torch.float32,
+        torch.float32,
+        bytes_per_logit,
+    )
+
+
+def test_vocab_pass_rule():
+    # Gradients (2048 + 32768)·1024·4 B = 142 606 336 B; a quarter over all 2048 rows of
+    # 4-byte logits is 4352 classes (a multiple of 128).
+    assert _blocks(2048, 1024, 32_768) == (2048, 4352)
+    assert _blocks(2048, 1024, 32_768, bytes_per_logit=8) == (2048, 2176)
+    assert _blocks(2048, 1024, 32_768, chunking_method="budget:2") == (2048, 2176)
+    # 64k rows would leave 384 classes: rows go into groups sized for 512 classes,
+    # (98 304·1024·4 / 4) / (512·4) = 49 152 rows.
+    assert _blocks(65_536, 1024, 32_768) == (49_152, 512)
+    # Tiny features: groups of at least 128 rows, blocks of at least 512 classes.
+    assert _blocks(2400, 8, 700) == (128, 512)
+    # Never more classes than the vocabulary; batch_chunk_size sets the groups.
+    assert _blocks(64, 1024, 300) == (64, 300)
+    assert _blocks(2048, 1024, 32_768, batch_chunk_size=100) == (100, 32_768)
+    assert _blocks(0, 1024, 300) == (1, 300)
 
 
 def test_budget_rule():

@@ -396,3 +396,101 @@ def test_bad_inputs_are_clear_errors(kwargs, message):
         linear_ce.token_logprobs(
             args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args
         )
+
+
+def _plain_rows(x, W, b, t, temperature=1.0, logit_scale=1.0, softcap=None):
+    """``(logprob, entropy)`` per row of ``x`` ``(N, F)``, zero where ignored."""
+    s = x @ W.T
+    if b is not None:
+        s = s + b
+    s = s * logit_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    logp = torch.log_softmax(s / temperature, dim=-1)
+    valid = t != -100
+    lp = torch.where(valid, logp.gather(-1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
+    return lp, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+
+
+def _many_rows(seed, n, feat, classes, dtype, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, feat, generator=g, dtype=torch.float64)
+    W = torch.randn(classes, feat, generator=g, dtype=torch.float64) * 2 / feat**0.5
+    b = torch.randn(classes, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, classes, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -100
+    ups = torch.randn(2, n, generator=g, dtype=torch.float64)
+    return _leaves(x, W, b, dtype), t, ups
+
+
+def _errors_against_float64(leaves, t, ups, kw, options=None):
+    """Relative errors of (logprob, entropy, grads) of ``token_logprobs`` and of the plain
+    expression in the leaves' dtype, both against float64 from the same inputs."""
+    out = linear_ce.token_logprobs(
+        *leaves[:2], t, linear_bias=leaves[2], entropy=True, options=options, **kw
+    )
+    got = [out.logprob, out.entropy, *_grads(out, leaves, *ups, FLOWS["both"])]
+    wide = [v.detach().double().requires_grad_() for v in leaves]
+    ref_out = _plain_rows(*wide, t, **kw)
+    ref = [*ref_out, *_grads(ref_out, wide, *ups, FLOWS["both"])]
+    same = [v.detach().requires_grad_() for v in leaves]
+    plain_out = _plain_rows(*same, t, **kw)
+    plain = [*plain_out, *_grads(plain_out, same, *ups, FLOWS["both"])]
+    return [rel_err(a, r) for a, r in zip(got, ref, strict=True)], [
+        rel_err(a, r) for a, r in zip(plain, ref, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kw", [TRANSFORMS["identity"], TRANSFORMS["all"]], ids=["plain", "all"])
+def test_many_row_groups_and_class_blocks(monkeypatch, dtype, kw):
+    """At scale: 2400 rows (30% ignored) against 700 classes of 8 features make the
+    default plan run forward in 19 chunks and backward's vocabulary pass in row groups
+    and class blocks; tiny cache pieces make every blocked loop take many steps. Every
+    output and gradient stays within the usual bound of float64."""
+    monkeypatch.setattr("linear_ce.chunked.EXP_BLOCK_ELEMENTS", 1024)
+    monkeypatch.setattr("linear_ce.losses.token_logprob._PIECE_ELEMENTS", 1024)
+    leaves, t, ups = _many_rows(21, 2400, 8, 700, dtype)
+    got, plain = _errors_against_float64(leaves, t, ups, kw)
+    for err, own in zip(got, plain, strict=True):
+        bound = 8 * eps(dtype) if dtype == torch.float64 else max(5 * eps(dtype), 2 * own)
+        assert err <= bound, (got, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "forced-upcast"])
+def test_half_many_row_groups_within_twice_plain_error(monkeypatch, dtype, native):
+    """Half inputs on both CPU GEMM paths (``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the
+    upcast one), 2000 rows in row groups of 64: every output and gradient within 2× the
+    plain same-dtype expression's error (the weight gradient of a class block is summed
+    over the groups in fp32)."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    leaves, t, ups = _many_rows(22, 2000, 16, 300, dtype)
+    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+    got, plain = _errors_against_float64(leaves, t, ups, TRANSFORMS["identity"], options)
+    for err, own in zip(got, plain, strict=True):
+        assert err <= max(3 * eps(dtype), 2 * own), (got, plain)
+
+
+def test_vjp_with_forward_row_stats_equals_without():
+    """``token_logprobs_vjp`` with ``row_stats`` from ``token_logprobs_and_stats`` (the
+    vocabulary pass) gives the gradients of its own recomputing pass; stats of other
+    inputs are a clear error."""
+    x, W, b, t, up_lp, up_h = _inputs(17, True, "random")
+    kw = TRANSFORMS["all"]
+    x, W, b, t = x[0], W, b, t[0]
+    out, stats = linear_ce.token_logprobs_and_stats(
+        x, W, t, linear_bias=b, entropy=True, options=CHUNK, **kw
+    )
+    assert out.entropy is not None and not stats.requires_grad
+    for grads in [(up_lp[0], up_h[0]), (up_lp[0], None), (None, up_h[0])]:
+        fast = linear_ce.token_logprobs_vjp(
+            x, W, t, *grads, linear_bias=b, options=CHUNK, row_stats=stats, **kw
+        )
+        slow = linear_ce.token_logprobs_vjp(x, W, t, *grads, linear_bias=b, options=CHUNK, **kw)
+        for f, s in zip(fast, slow, strict=True):
+            assert rel_err(f, s) <= 8 * eps(torch.float64)
+    with pytest.raises(ValueError, match=r"row_stats must be the statistics"):
+        linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats[:-1])
+    with pytest.raises(ValueError, match=r"row_stats must have dtype"):
+        linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats.half())

@@ -13,7 +13,12 @@ from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.output import LinearCrossEntropyOutput
-from linear_ce.token_logprobs import TokenLogprobs, token_logprobs, token_logprobs_vjp
+from linear_ce.token_logprobs import (
+    TokenLogprobs,
+    token_logprobs,
+    token_logprobs_and_stats,
+    token_logprobs_vjp,
+)
 from linear_ce.token_objective import token_objective
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "objectives",
     "reference",
     "token_logprobs",
+    "token_logprobs_and_stats",
     "token_logprobs_vjp",
     "token_objective",
 ]

@@ -13,7 +13,7 @@ from linear_ce.losses.token_logprob import TokenOutputs
 from linear_ce.ops_token import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 
-__all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_vjp"]
+__all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_and_stats", "token_logprobs_vjp"]
 
 _NAME = "token_logprobs"
 
@@ -76,7 +76,8 @@ def token_logprobs(
     same distribution) computed over chunks of tokens: nothing of size ``N·V`` is
     ever held. Gradients flow to ``input``, ``linear_weight`` and ``linear_bias``
     from ``logprob`` and ``entropy`` (either may be unused: no work is done for a
-    gradient that does not flow); the backward recomputes each chunk's logits.
+    gradient that does not flow); the backward recomputes the logits a block of the
+    vocabulary at a time, from the forward's per-row statistics.
     ``log_sum_sq_prob`` and ``mean_logit`` are statistics without a gradient (as
     ``top1``): differentiating them is an error.
     Tokens whose target is ``ignore_index`` take part in no GEMM; their outputs are
@@ -117,6 +118,56 @@ def token_logprobs(
         >>> loss = -(advantages * out.logprob).mean() - 0.01 * out.entropy.mean()
         >>> loss.backward()
     """
+    return token_logprobs_and_stats(
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        entropy=entropy,
+        top1=top1,
+        top1_rule=top1_rule,
+        log_sum_sq_prob=log_sum_sq_prob,
+        mean_logit=mean_logit,
+        options=options,
+    )[0]
+
+
+def token_logprobs_and_stats(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    top1: bool = False,
+    top1_rule: str = "unique",
+    log_sum_sq_prob: bool = False,
+    mean_logit: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> tuple[TokenLogprobs, torch.Tensor]:
+    """:func:`token_logprobs` (same arguments, plain tensors only) and the per-row
+    statistics its backward uses, an opaque tensor to hand to
+    :func:`token_logprobs_vjp` as ``row_stats`` (detached): for an
+    ``autograd.Function`` that runs its own backward, which then costs what
+    ``token_logprobs``'s does.
+
+    Example::
+
+        >>> x, W = torch.randn(6, 16), torch.randn(50, 16)
+        >>> t = torch.randint(0, 50, (6,))
+        >>> out, stats = token_logprobs_and_stats(x, W, t, entropy=True)
+        >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None, row_stats=stats)
+    """
     call = check_token_call(
         _NAME,
         input,
@@ -139,7 +190,7 @@ def token_logprobs(
     asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
     options = resolve_options(options, _NAME)
     grad_on = torch.is_grad_enabled()
-    logprob, _row_stats, ent, is_top1, sq, mean = token_rows(
+    logprob, row_stats, ent, is_top1, sq, mean = token_rows(
         call.input,
         call.linear_weight,
         call.target,
@@ -159,13 +210,14 @@ def token_logprobs(
         grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
     )[:6]
     shape = call.loss_shape
-    return TokenLogprobs(
+    outputs = TokenLogprobs(
         logprob.view(shape),
         ent.view(shape) if entropy else None,
         is_top1.view(shape) if top1 else None,
         sq.view(shape) if log_sum_sq_prob else None,
         mean.view(shape) if mean_logit else None,
     )
+    return outputs, row_stats.detach()
 
 
 def token_logprobs_vjp(
@@ -182,6 +234,7 @@ def token_logprobs_vjp(
     softcap: float | None = None,
     needs: tuple[bool, bool, bool] = (True, True, True),
     options: LinearCrossEntropyOptions | None = None,
+    row_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     r"""The gradients of :func:`token_logprobs` (``shift=False``) for the upstream
     gradients ``grad_logprob`` and ``grad_entropy`` (target's shape, ``None``: none
@@ -189,8 +242,11 @@ def token_logprobs_vjp(
 
     For an ``autograd.Function`` that holds the weight itself and must read it again in
     its own backward (a head that is gathered again under DeepSpeed ZeRO-3, as in
-    :mod:`linear_ce.integrations.trl`): the same single pass over the chunks as
-    ``token_logprobs``'s backward. ``needs`` says which of ``(input, linear_weight,
+    :mod:`linear_ce.integrations.trl`). With ``row_stats`` from
+    :func:`token_logprobs_and_stats` (same inputs, same transform) it is
+    ``token_logprobs``'s backward: the vocabulary pass, one logits GEMM; without, it
+    first reruns the forward's row reductions over chunks of rows (the same GEMM count,
+    more passes over each tile). ``needs`` says which of ``(input, linear_weight,
     linear_bias)`` get a gradient; the others are ``None``, as is every one when no
     upstream gradient flows.
 
@@ -218,6 +274,8 @@ def token_logprobs_vjp(
     if (grad_logprob is None and grad_entropy is None) or not (need_x or need_w or need_b):
         return None, None, None
     options = resolve_options(options, _NAME)
+    if row_stats is not None:
+        _check_row_stats(row_stats, call.target.shape, call.input)
 
     def rows(grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.reshape(call.target.shape).contiguous()
@@ -229,7 +287,7 @@ def token_logprobs_vjp(
         call.linear_bias,
         rows(grad_logprob),
         rows(grad_entropy),
-        None,
+        row_stats,
         call.ignore_index,
         call.transform.as_list(),
         TokenOutputs().encode(),
@@ -247,3 +305,24 @@ def token_logprobs_vjp(
             grads, (input, linear_weight, linear_bias), (need_x, need_w, need_b), strict=True
         )
     )
+
+
+def _check_row_stats(row_stats: torch.Tensor, rows_shape: torch.Size, input: torch.Tensor) -> None:
+    want = (*rows_shape, 3)
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    if (
+        not isinstance(row_stats, torch.Tensor)
+        or tuple(row_stats.shape) != want
+        or row_stats.device != input.device
+    ):
+        raise ValueError(
+            f"token_logprobs_vjp: row_stats must be the statistics token_logprobs_and_stats "
+            f"returned for these inputs, shape {want} on {input.device}, got "
+            f"{getattr(row_stats, 'shape', type(row_stats).__name__)}"
+            f"{'' if not isinstance(row_stats, torch.Tensor) else f' on {row_stats.device}'}"
+        )
+    if not row_stats.dtype.is_floating_point or row_stats.dtype.itemsize < acc.itemsize:
+        raise ValueError(
+            f"token_logprobs_vjp: row_stats must have dtype {acc} (from "
+            f"token_logprobs_and_stats), got {row_stats.dtype}"
+        )

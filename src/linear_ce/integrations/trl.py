@@ -79,7 +79,7 @@ import torch
 
 from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
 from linear_ce.options import LinearCrossEntropyOptions
-from linear_ce.token_logprobs import token_logprobs, token_logprobs_vjp
+from linear_ce.token_logprobs import token_logprobs_and_stats, token_logprobs_vjp
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -164,7 +164,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
             "softcap": None if final_logit_softcapping is None else float(final_logit_softcapping),
         }
         with torch.autocast(hidden.device.type, enabled=False):
-            out = token_logprobs(
+            out, row_stats = token_logprobs_and_stats(
                 hidden.to(dtype),
                 weight.to(dtype),
                 targets,
@@ -177,7 +177,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
                 options=options,
                 **transform,
             )
-        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.save_for_backward(hidden, weight, bias, targets, row_stats)
         ctx.dtype, ctx.transform, ctx.options = dtype, transform, options
         statistics = [v for v in (out.log_sum_sq_prob, out.mean_logit, out.top1) if v is not None]
         ctx.mark_non_differentiable(*statistics)
@@ -185,7 +185,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, *_statistics):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, row_stats = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         dtype = ctx.dtype
         with _gather_context(weight, bias), torch.autocast(hidden.device.type, enabled=False):
@@ -198,6 +198,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
                 linear_bias=None if bias is None else bias.to(dtype),
                 needs=(need_hidden, need_weight, need_bias),
                 options=ctx.options,
+                row_stats=row_stats,
                 **ctx.transform,
             )
         grads = tuple(
