@@ -3,7 +3,9 @@
 Every rank builds the same full inputs, runs its (uneven) shard with logprob, entropy
 and top-1 and a backward with upstream gradients on both, and compares with the
 single-process ``linear_ce.token_logprobs`` on the full weight (itself checked against
-float64 in ``test_token_logprobs``) and with the float64 plain expression.
+float64 in ``test_token_logprobs``) and with the float64 plain expression. The backward
+(the vocabulary pass on the forward's row statistics) makes one all_reduce, of
+``grad_input``, as documented in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def _check(rank: int, world: int) -> list[str]:
     Ws = W[start : start + sizes[rank]].clone().requires_grad_()
     bs = b[start : start + sizes[rank]].clone().requires_grad_()
     out = vocab_parallel_token_logprobs(xs, Ws, t, linear_bias=bs, options=options, **kw)
-    ((out.logprob * up_lp).sum() + (out.entropy * up_h).sum()).backward()
+    reduced = _count_all_reduce(
+        lambda: ((out.logprob * up_lp).sum() + (out.entropy * up_h).sum()).backward()
+    )
 
     xr, Wr, br = (v.clone().requires_grad_() for v in (x, W, b))
     ref = linear_ce.token_logprobs(xr, Wr, t, linear_bias=br, options=options, **kw)
@@ -75,9 +79,31 @@ def _check(rank: int, world: int) -> list[str]:
     for name, (got, want) in pairs.items():
         if not _rel(got, want) <= TOL:
             failures.append(f"rank {rank}/{world} {name}: {_rel(got, want):.3g}")
+    shifted_input = x[:, 1:].numel()  # shift=True: the last position has no output
+    if reduced != [shifted_input]:
+        failures.append(
+            f"rank {rank}/{world} backward all_reduce sizes {reduced}, documented one of "
+            f"grad_input ({shifted_input})"
+        )
     if not torch.equal(out.top1, ref.top1):
         failures.append(f"rank {rank}/{world} top1 differs")
     return failures + _check_ties(rank, world, sizes)
+
+
+def _count_all_reduce(fn) -> list[int]:
+    """Sizes of the all_reduce calls ``fn`` makes."""
+    sizes, real = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        fn()
+    finally:
+        dist.all_reduce = real
+    return sizes
 
 
 def _check_ties(rank: int, world: int, sizes: list[int]) -> list[str]:
