@@ -104,7 +104,7 @@ def test_plan_share_by_path(monkeypatch, dtype, native):
         assert isinstance(plan.gemm, BlockUpcast)
 
 
-def _blocks(rows, features, classes, bytes_per_logit=4, **options):
+def _blocks(rows, features, classes, bytes_per_logit=4, bytes_per_row=0, **options):
     return choose_vocab_blocks(
         rows,
         features,
@@ -113,6 +113,7 @@ def _blocks(rows, features, classes, bytes_per_logit=4, **options):
         torch.float32,
         torch.float32,
         bytes_per_logit,
+        bytes_per_row,
     )
 
 
@@ -125,6 +126,12 @@ def test_vocab_pass_rule():
     # 64k rows would leave 384 classes: rows go into groups sized for 512 classes,
     # (98 304·1024·4 / 4) / (512·4) = 49 152 rows.
     assert _blocks(65_536, 1024, 32_768) == (49_152, 512)
+    # Gathered rows (8 KiB of buffers per row) come out of the same budget:
+    # (35 651 584 − 2048·8192) / (2048·4) = 2304 classes.
+    assert _blocks(2048, 1024, 32_768, bytes_per_row=8192) == (2048, 2304)
+    # ... and size the groups when they would leave fewer than 512 classes:
+    # 100 663 296 // (512·4 + 8192) = 9830 rows -> 9824, then 513 classes -> 512.
+    assert _blocks(65_536, 1024, 32_768, bytes_per_row=8192) == (9824, 512)
     # Tiny features: groups of at least 128 rows, blocks of at least 512 classes.
     assert _blocks(2400, 8, 700) == (128, 512)
     # Never more classes than the vocabulary; batch_chunk_size sets the groups.

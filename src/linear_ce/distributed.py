@@ -470,9 +470,10 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None
         call = spec.call
+        valid = call.target != call.ignore_index
         head = TokenLogprobGradient(
             call.target.long(),
-            call.target != call.ignore_index,
+            valid,
             spec.shard.start,
             row_stats,
             grad_logprob,
@@ -488,6 +489,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             spec.options,
             tiles=tiles_for(False, call.transform, True),
             vocab_pass=True,
+            gathered=not bool(valid.all()),
         )
         grads = run_vocab_pass(
             input,

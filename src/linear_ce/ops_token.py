@@ -101,9 +101,8 @@ def _vocab_pass_grads(
     needs,
 ) -> Gradients:
     transform = LogitTransform.from_list(transform)
-    head = TokenLogprobGradient(
-        target.long(), target != ignore_index, 0, row_stats, grad_logprob, grad_entropy
-    )
+    valid = target != ignore_index
+    head = TokenLogprobGradient(target.long(), valid, 0, row_stats, grad_logprob, grad_entropy)
     rows, in_features = input.shape
     plan = make_plan(
         rows,
@@ -114,6 +113,7 @@ def _vocab_pass_grads(
         options,
         tiles=tiles_for(False, transform, True),
         vocab_pass=True,
+        gathered=not bool(valid.all()),
     )
     need_x, need_w, need_b = needs
     return run_vocab_pass(

@@ -133,17 +133,19 @@ def choose_vocab_blocks(
     input_dtype: torch.dtype,
     acc_dtype: torch.dtype,
     bytes_per_logit: float,
+    bytes_per_row: float = 0.0,
     share: float = BUDGET_SHARE,
 ) -> tuple[int, int]:
     """``(rows per group, classes per block)`` of the vocabulary pass.
 
     Its ``(rows, C)`` tiles take ``bytes_per_logit`` bytes per logit (the tiles, and a
-    tile's operand copy where the GEMM operands have another dtype) and may take the
-    same budget as the chunk loop's, ``share / N`` of the gradients' bytes for
-    ``"budget[:N]"``/``"auto"``. Every row goes into one group, so each block's weight
-    gradient is one GEMM over all rows, unless that leaves fewer than
-    ``MIN_CLASS_BLOCK`` classes: then groups of rows are sized for that many classes
-    (never fewer than ``MIN_EFFICIENT_ROWS`` rows). ``batch_chunk_size``,
+    tile's operand copy where the GEMM operands have another dtype), its row buffers
+    ``bytes_per_row`` per row of a group (gathered rows, their input gradient, an
+    upcast copy), and together they may take the same budget as the chunk loop's,
+    ``share / N`` of the gradients' bytes for ``"budget[:N]"``/``"auto"``. Every row
+    goes into one group, so each block's weight gradient is one GEMM over all rows,
+    unless that leaves fewer than ``MIN_CLASS_BLOCK`` classes: then groups of rows are
+    sized for that many classes (never fewer than ``MIN_EFFICIENT_ROWS`` rows). ``batch_chunk_size``,
     ``"aspect_ratio"`` and ``None`` set the groups as they set the chunk loop's chunks.
     Blocks are rounded down to a multiple of ``CLASS_MULTIPLE``, within ``[1, V]``.
     """
@@ -152,16 +154,17 @@ def choose_vocab_blocks(
     method, divisor = parse_chunking_method(options.chunking_method)
     budget = share * (rows + num_classes) * in_features * input_dtype.itemsize / divisor
     budgeted = options.batch_chunk_size is None and method in ("auto", "budget")
+    smallest = MIN_CLASS_BLOCK * bytes_per_logit + bytes_per_row
     if budgeted:
         group = rows
-        if budget // (group * bytes_per_logit) < MIN_CLASS_BLOCK:
-            group = int(budget // (MIN_CLASS_BLOCK * bytes_per_logit))
+        if group * smallest > budget:
+            group = int(budget // smallest)
             if group >= ROW_MULTIPLE:
                 group -= group % ROW_MULTIPLE
             group = max(1, min(rows, max(group, MIN_EFFICIENT_ROWS // divisor)))
     else:
         group = choose_chunk_rows(rows, in_features, num_classes, options, input_dtype, acc_dtype)
-    classes = int(budget // (group * bytes_per_logit))
+    classes = int(max(budget - group * bytes_per_row, 0) // (group * bytes_per_logit))
     if classes >= CLASS_MULTIPLE:
         classes -= classes % CLASS_MULTIPLE
     return group, max(1, min(num_classes, max(classes, MIN_CLASS_BLOCK // divisor)))
@@ -191,6 +194,7 @@ def make_plan(
     tiles: int = 1,
     share: float | None = None,
     vocab_pass: bool = False,
+    gathered: bool = True,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -210,7 +214,8 @@ def make_plan(
 
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
-    :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``.
+    :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``; ``gathered``: some row is
+    ignored, so a group's rows may be gathered into buffers of their own (budgeted).
     """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
@@ -246,8 +251,11 @@ def make_plan(
         per_logit = tiles * acc_dtype.itemsize
         if gemm.operand_dtype != acc_dtype:
             per_logit += gemm.operand_dtype.itemsize
+        per_row = in_features * (input_dtype.itemsize + acc_dtype.itemsize) if gathered else 0
+        if gemm.operand_dtype != input_dtype:
+            per_row += in_features * gemm.operand_dtype.itemsize
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
-            rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit
+            rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit, per_row
         )
     else:
         rows_per_chunk = choose_chunk_rows(
