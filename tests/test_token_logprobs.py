@@ -494,3 +494,52 @@ def test_vjp_with_forward_row_stats_equals_without():
         linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats[:-1])
     with pytest.raises(ValueError, match=r"row_stats must have dtype"):
         linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats.half())
+
+
+_MEMORY_PREAMBLE = """
+import ctypes, gc
+import torch, linear_ce
+ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # every large buffer mapped: peaks count bytes held
+"""
+
+_MEMORY_SETUP = """
+torch.manual_seed(0)
+x = torch.randn({rows}, 1024, dtype=torch.{dtype}).requires_grad_()
+W = (torch.randn(16384, 1024) / 32).to(torch.{dtype}).requires_grad_()
+t = torch.randint(0, 16384, ({rows},))
+t[torch.rand({rows}) < {ignored}] = -100
+up = torch.randn({rows}), torch.randn({rows})
+
+def step():
+    out = linear_ce.token_logprobs(x, W, t, entropy=True)
+    torch.autograd.backward([out.logprob, out.entropy], list(up))
+
+step()
+x.grad = W.grad = None
+gc.collect()
+ctypes.CDLL(None).malloc_trim(0)
+"""
+
+
+@pytest.mark.slow
+def test_training_step_memory_is_the_gradients_and_a_quarter():
+    """fp32 and bf16, none or 30% of the targets ignored (the vocabulary pass then
+    gathers rows): forward + backward with a differentiated entropy holds at most 1.35×
+    the gradients' bytes (the gradients themselves, the quarter the tiles may take, the
+    fp32 input-gradient sum and the per-token outputs), far less than the plain
+    expression's ``(N, V)`` logits."""
+    from memory_probe import transient_peaks
+
+    cases = [
+        (dtype, rows, ignored)
+        for dtype, rows in (("float32", 512), ("bfloat16", 1024))
+        for ignored in (0.0, 0.3)
+    ]
+    setups = [(_MEMORY_SETUP.format(dtype=d, rows=r, ignored=i), "step()") for d, r, i in cases]
+    peaks = transient_peaks(_MEMORY_PREAMBLE, setups)
+    for (dtype, rows, ignored), peak in zip(cases, peaks, strict=True):
+        grad_bytes = (rows + 16384) * 1024 * (4 if dtype == "float32" else 2)
+        bound = 1.35 if dtype == "float32" else 2.0
+        logits = rows * 16384 * 4
+        assert peak <= bound * grad_bytes, (dtype, ignored, peak / grad_bytes)
+        assert bound * grad_bytes - peak < logits / 2
