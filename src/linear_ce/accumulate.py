@@ -38,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +52,6 @@ __all__ = [
     "DirectSum",
     "SplitSum",
     "WideSum",
-    "split_sum_supported",
     "weight_grad_sum",
 ]
 
@@ -63,12 +61,6 @@ __all__ = [
 CACHE_BLOCK_ELEMENTS = 1 << 18
 
 _HALF = (torch.bfloat16, torch.float16)
-
-
-def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
-    """Whether :class:`SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
-    half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
-    return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
 
 
 class DirectSum:

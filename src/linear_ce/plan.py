@@ -7,10 +7,10 @@ which scratch buffers exist and how GEMMs are issued is decided here.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
-from linear_ce.accumulate import split_sum_supported
 from linear_ce.capability import native_half_gemm
 from linear_ce.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
@@ -26,6 +26,7 @@ __all__ = [
     "choose_chunk_rows",
     "choose_vocab_blocks",
     "make_plan",
+    "split_sum_supported",
 ]
 
 #: Fewer rows than this per chunk leaves the GEMMs memory-bound on a CPU.
@@ -84,6 +85,12 @@ class Plan:
     weight_grad: str
     gemm: Gemm
     policy: str
+
+
+def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
+    """Whether :class:`~linear_ce.accumulate.SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
+    half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
+    return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
 
 
 def choose_chunk_rows(
