@@ -56,8 +56,11 @@ def run_vocab_pass(
     block = min(plan.classes_per_block, max(classes, 1))
     groups = row_chunks(head.valid, group, device)
     gathered = any(not isinstance(g, slice) for per_p in groups for g in per_p)
-    tile = gemm.logits_buffer(group, block, acc, device)
-    sech2_tile = torch.empty_like(tile) if transform.softcap is not None else None
+    # Flat storage, viewed per block in the backend's tile layout, so the last (narrower)
+    # block and group get dense tiles too.
+    class_major = gemm.logits_buffer(2, 3, acc, device).stride(0) == 1
+    tile_store = torch.empty(group * block, dtype=acc, device=device)
+    sech2_store = torch.empty_like(tile_store) if transform.softcap is not None else None
     x_rows_buf = (
         torch.empty((group, in_features), dtype=input.dtype, device=device) if gathered else None
     )
@@ -96,8 +99,8 @@ def run_vocab_pass(
                 else:
                     x_rows = torch.index_select(input, 0, group_rows, out=x_rows_buf[:n])
                 x_op = gemm.operand(x_rows)
-                s = tile[:n, :width]
-                sech2 = None if sech2_tile is None else sech2_tile[:n, :width]
+                s = _tile(tile_store, n, width, class_major)
+                sech2 = None if sech2_store is None else _tile(sech2_store, n, width, class_major)
                 gemm.logits(s, x_op, w_op)
                 if b_p is not None:
                     s.add_(b_p[span])
@@ -128,3 +131,9 @@ def run_vocab_pass(
         weight=grad_w,
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
+
+
+def _tile(store: torch.Tensor, rows: int, classes: int, class_major: bool) -> torch.Tensor:
+    """A dense ``(rows, classes)`` view of the front of ``store``, class-major or row-major."""
+    flat = store[: rows * classes]
+    return flat.view(classes, rows).T if class_major else flat.view(rows, classes)
