@@ -93,13 +93,15 @@ def test_aspect_ratio_rule():
 def test_plan_share_by_path(monkeypatch, dtype, native):
     """Half inputs on the non-native CPU path take the larger share (their gradients have
     half the bytes, the scratch stays fp32), so their chunks match fp32's: 256 rows at
-    2048/1024/32768; the native path keeps the quarter share (128 rows)."""
+    2048/1024/32768. The native path keeps a half tile: 544-row chunks (the same share at
+    2 bytes per logit) whose fp32 math runs 64 rows at a time."""
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
     plan = make_plan(2048, 1024, 32768, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
     if dtype == torch.float32 or isinstance(plan.gemm, BlockUpcast):
-        assert plan.rows_per_chunk == 256
+        assert plan.rows_per_chunk == plan.rows_per_step == 256
     else:
-        assert isinstance(plan.gemm, NativeHalf) and plan.rows_per_chunk == 128
+        assert isinstance(plan.gemm, NativeHalf)
+        assert (plan.rows_per_chunk, plan.rows_per_step) == (544, 64)
     if native == "0" and dtype != torch.float32:
         assert isinstance(plan.gemm, BlockUpcast)
 

@@ -181,3 +181,110 @@ def test_transient_memory_within_two_and_a_half_gradients(dtype, path):
     peak = transient_peak(setup, "linear_ce.linear_cross_entropy(x, W, t).backward()")
     grads = (2048 + 32768) * 1024 * dtype.itemsize
     assert peak <= 2.5 * grads, f"{peak / grads:.2f}x the gradients' bytes"
+
+
+def _softcapped(x, W, b, cap):
+    z = F.linear(x, W, b)
+    return cap * torch.tanh(z / cap)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_half_tile_many_chunks_with_masked_rows_and_extras(reduction):
+    """The native path's half tile (``Plan.rows_per_step`` below ``rows_per_chunk``):
+    38 chunks of 160 rows, each run as fp32 steps of 64, 64 and 32 rows, with 30% of the
+    targets ignored (gathered chunks), a bias, label smoothing and a softcap: loss and
+    every gradient within 2× the plain bf16 expression's error against float64."""
+    dtype = torch.bfloat16
+    if not native_half_gemm(dtype, CPU):
+        pytest.skip("this CPU has no native bf16 GEMMs (no half tile)")
+    rows, features, classes, cap = 6000, 32, 300, 20.0
+    gen = torch.Generator().manual_seed(61)
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64).to(dtype)
+    W = (torch.randn(classes, features, generator=gen, dtype=torch.float64) / 3).to(dtype)
+    b = torch.randn(classes, generator=gen, dtype=torch.float64).to(dtype)
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[torch.rand(rows, generator=gen) < 0.3] = -100
+    up = torch.randn(rows, generator=gen, dtype=torch.float64)
+    options = LinearCrossEntropyOptions(batch_chunk_size=160)
+    plan = make_plan(rows, features, classes, dtype, CPU, options)
+    assert (plan.rows_per_chunk, plan.rows_per_step) == (160, 64)
+
+    def run(fn, dt, **kw):
+        leaves = [v.detach().to(dt).requires_grad_() for v in (x, W, b)]
+        loss = fn(*leaves, t, **kw)
+        weight = up.to(loss.dtype) if reduction == "none" else None
+        loss.backward(weight)
+        return [loss.detach(), *(v.grad for v in leaves)]
+
+    def plain(x_, W_, b_, t_):
+        z = _softcapped(x_, W_, b_, cap)
+        return F.cross_entropy(z, t_, label_smoothing=0.1, reduction=reduction)
+
+    def ours(x_, W_, b_, t_):
+        return linear_ce.linear_cross_entropy(
+            x_,
+            W_,
+            t_,
+            linear_bias=b_,
+            softcap=cap,
+            label_smoothing=0.1,
+            reduction=reduction,
+            options=options,
+        )
+
+    exact = run(plain, torch.float64)
+    same = run(plain, dtype)
+    got = run(ours, dtype)
+    for name, g, s, e in zip(("loss", "input", "weight", "bias"), got, same, exact, strict=True):
+        bound = max(3 * eps(dtype), 2 * rel_err(s, e))
+        assert rel_err(g, e) <= bound, f"{name}: {rel_err(g, e):.3g} > {bound:.3g}"
+
+
+def test_half_tile_token_logprobs_forward_and_objective():
+    """token_logprobs (entropy: the exp in column blocks) and token_objective (gradients in
+    forward) under the half tile, 30% ignored, 160-row chunks of 64-row steps: within 2×
+    the plain bf16 expression's error against float64."""
+    dtype = torch.bfloat16
+    if not native_half_gemm(dtype, CPU):
+        pytest.skip("this CPU has no native bf16 GEMMs (no half tile)")
+    rows, features, classes = 3000, 32, 300
+    gen = torch.Generator().manual_seed(62)
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64).to(dtype)
+    W = (torch.randn(classes, features, generator=gen, dtype=torch.float64) / 3).to(dtype)
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[torch.rand(rows, generator=gen) < 0.3] = -100
+    adv = torch.randn(rows, generator=gen, dtype=torch.float64)
+    options = LinearCrossEntropyOptions(batch_chunk_size=160)
+    valid = t != -100
+
+    def plain(x_, W_):
+        logp = torch.log_softmax(
+            F.linear(x_, W_).to(torch.promote_types(x_.dtype, torch.float32)), -1
+        )
+        lp = torch.where(valid, logp.gather(-1, t.clamp(min=0)[:, None])[:, 0], 0.0)
+        ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+        return lp, ent
+
+    def leaves(dt):
+        return [v.detach().to(dt).requires_grad_() for v in (x, W)]
+
+    def objective(logprob, entropy, advantage):
+        return -(logprob * advantage) - 0.01 * entropy
+
+    results = {}
+    for name, dt in (("exact", torch.float64), ("same", dtype)):
+        xs, Ws = leaves(dt)
+        lp, ent = plain(xs, Ws)
+        loss = objective(lp[valid], ent[valid], adv.to(lp.dtype)[valid]).sum()
+        loss.backward()
+        results[name] = [lp.detach(), ent.detach(), loss.detach(), xs.grad, Ws.grad]
+    xs, Ws = leaves(dtype)
+    out = linear_ce.token_logprobs(xs, Ws, t, entropy=True, options=options)
+    loss = linear_ce.token_objective(
+        xs, Ws, t, objective, entropy=True, options=options, advantage=adv.float()
+    )
+    loss.backward()
+    got = [out.logprob, out.entropy, loss.detach(), xs.grad, Ws.grad]
+    for i, (g, s, e) in enumerate(zip(got, results["same"], results["exact"], strict=True)):
+        bound = max(3 * eps(dtype), 2 * rel_err(s, e))
+        assert rel_err(g, e) <= bound, f"output {i}: {rel_err(g, e):.3g} > {bound:.3g}"

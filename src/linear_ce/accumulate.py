@@ -203,8 +203,12 @@ def weight_grad_sum(
 ) -> DirectSum | WideSum | SplitSum:
     """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
     if plan.weight_grad == "split":
-        # Half products: holding one chunk costs B·(V + F) half elements, halves the passes.
-        pair = plan.gemm.operand_dtype == plan.input_dtype
+        # Half products: holding one chunk costs B·(V + F) half elements, halves the passes;
+        # under a half tile the chunks are already long and the bytes are the tile's.
+        pair = (
+            plan.gemm.operand_dtype == plan.input_dtype
+            and plan.rows_per_step == plan.rows_per_chunk
+        )
         return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
     if plan.weight_grad == "wide":
         return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)

@@ -12,6 +12,16 @@ for its gradient, one more for a softcap's derivative) are reused by every
 chunk. A head that keeps ``u`` but wants no gradient gets ``eᵘ`` a
 cache-sized block of columns at a time instead of a second tile.
 
+With native half GEMMs on a CPU the plan may ask for a *half tile*
+(``Plan.rows_per_step`` below ``rows_per_chunk``): the logits GEMM writes the
+chunk's half-precision logits (the rounding it applies anyway) into a tile of
+the input dtype; the math above runs on ``rows_per_step`` rows at a time,
+widened into an fp32 tile of that many rows, and each step's gradient is
+written back over its logits, so the half tile becomes the gradient GEMMs'
+operand. At 2 bytes per logit instead of an fp32 tile's 4 plus its half copy's
+2, chunks are ~3× longer in the same memory, which is what the GEMMs and the
+weight-gradient sum's passes are paid per.
+
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
 transformed by its own transform, shifted by their row max over every shard
@@ -110,19 +120,24 @@ def run_chunks(
     chunk = min(plan.rows_per_chunk, max(rows, 1))
     chunks = row_chunks(head.valid, chunk, device)
     gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
-    tile = gemm.logits_buffer(chunk, local_classes, acc, device)
+    # A half tile (see the module doc): the chunk's logits and gradient in the input
+    # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
+    half = plan.rows_per_step < plan.rows_per_chunk and companion is None
+    step = min(plan.rows_per_step, chunk) if half else chunk
+    half_tile = gemm.logits_buffer(chunk, local_classes, input.dtype, device) if half else None
+    tile = gemm.logits_buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
         if keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
         else None
     )
-    exp_step = max(1, EXP_BLOCK_ELEMENTS // chunk)
+    exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
     exp_block = (
-        gemm.logits_buffer(chunk, exp_step, acc, device)
+        gemm.logits_buffer(step, exp_step, acc, device)
         if head.keeps_logits and exp_tile is None
         else None
     )
-    block_sums = torch.empty((chunk, head.extra_sums), dtype=acc, device=device)
+    block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
     x_rows_buf = (
         torch.empty((chunk, in_features), dtype=input.dtype, device=device) if gathered else None
@@ -132,8 +147,8 @@ def run_chunks(
         if gathered and grad_input
         else None
     )
-    stats_buf = torch.empty((chunk, 1 + head.extra_sums), dtype=acc, device=device)
-    late_buf = torch.empty((chunk, head.late_sums), dtype=acc, device=device)
+    stats_buf = torch.empty((step, 1 + head.extra_sums), dtype=acc, device=device)
+    late_buf = torch.empty((step, head.late_sums), dtype=acc, device=device)
     if companion is not None:
         other = _CompanionBuffers(companion, chunk, local_classes, acc, gathered)
 
@@ -142,6 +157,50 @@ def run_chunks(
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
+
+    def rows_math(u: torch.Tensor, chunk_rows, p: int, b_p) -> torch.Tensor | None:
+        """Everything between the logits GEMM and the gradient GEMMs for the rows of
+        ``u`` (their raw logits): ``factor · ∂L/∂s`` in a tile, or ``None`` without
+        gradients."""
+        n = u.shape[0]
+        if b_p is not None:
+            u.add_(b_p)
+        transform.apply_(u, None if sech2 is None else sech2[:n])
+        if companion is not None:
+            head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
+
+        row_max = u.amax(dim=1)
+        vocab.max_(row_max)
+        u.sub_(row_max[:, None])
+        stats = stats_buf[:n]
+        head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
+        if exp_block is not None:
+            _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n])
+            e = None
+        else:
+            e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
+            torch.sum(e, dim=1, out=stats[:, 0])
+            head.sums_after_exp(u, e, stats[:, 1:])
+        vocab.sum_(stats)
+        sum_exp = stats[:, 0]
+        log_sum_exp = sum_exp.log()
+        # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
+        lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
+        row_stats = RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
+        if head.late_sums:
+            late = late_buf[:n]
+            head.sums_after_stats(u, e, row_stats, late)
+            vocab.sum_(late)
+            row_stats.late = late
+        head.rows_done(chunk_rows, p, row_stats)
+        if not want_grads:
+            return None
+        g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
+        if sech2 is not None:
+            g.mul_(sech2[:n])
+        if grad_bias:
+            grad_b[:, p].add_(g.sum(0))
+        return g
 
     for p in range(positions):
         w_op = gemm.weight_operand(weight[:, p, :])
@@ -154,48 +213,24 @@ def run_chunks(
             else:
                 x_rows = torch.index_select(input, 0, chunk_rows, out=x_rows_buf[:n])
             x_op = gemm.operand(x_rows)
-            u = tile[:n]
-            gemm.logits(u, x_op, w_op)
-            if b_p is not None:
-                u.add_(b_p)
-            transform.apply_(u, None if sech2 is None else sech2[:n])
-            if companion is not None:
-                head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
-
-            row_max = u.amax(dim=1)
-            vocab.max_(row_max)
-            u.sub_(row_max[:, None])
-            stats = stats_buf[:n]
-            head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
-            if exp_block is not None:
-                _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n])
-                e = None
+            if half:
+                logits = half_tile[:n]
+                gemm.half_logits(logits, x_op, w_op)
+                for start in range(0, n, step):
+                    part = slice(start, min(start + step, n))
+                    u = tile[: part.stop - start]
+                    u.copy_(logits[part])
+                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p)
+                    if g is not None:
+                        logits[part].copy_(g)
+                g = logits
             else:
-                e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
-                torch.sum(e, dim=1, out=stats[:, 0])
-                head.sums_after_exp(u, e, stats[:, 1:])
-            vocab.sum_(stats)
-            sum_exp = stats[:, 0]
-            log_sum_exp = sum_exp.log()
-            # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
-            lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
-            row_stats = RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
-            if head.late_sums:
-                late = late_buf[:n]
-                head.sums_after_stats(u, e, row_stats, late)
-                vocab.sum_(late)
-                row_stats.late = late
-            head.rows_done(chunk_rows, p, row_stats)
-            if not want_grads:
+                u = tile[:n]
+                gemm.logits(u, x_op, w_op)
+                g = rows_math(u, chunk_rows, p, b_p)
+            if g is None or not (grad_input or grad_weight):
                 continue
-
-            g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
-            if sech2 is not None:
-                g.mul_(sech2[:n])
-            if grad_bias:
-                grad_b[:, p].add_(g.sum(0))
-            if grad_input or grad_weight:
-                g_op = gemm.operand(g)
+            g_op = gemm.operand(g)
             if grad_input:
                 if sliced:
                     gemm.add_grad_input(grad_x[chunk_rows], g_op, w_op)
@@ -212,6 +247,13 @@ def run_chunks(
         weight=None if grad_w is None else grad_w.finish(),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
+
+
+def _sub_rows(rows, part: slice):
+    """Rows ``part`` (a slice of positions) of a chunk's rows."""
+    if isinstance(rows, slice):
+        return slice(rows.start + part.start, rows.start + part.stop)
+    return rows[part]
 
 
 def _sums_in_blocks(

@@ -162,3 +162,7 @@ class NativeHalf(Gemm):
         # copy reads in order, and the half temporary stays one block's size.
         for block in vocab_blocks(weight.shape[0], x.shape[0]):
             out.T[block].copy_(torch.mm(weight[block], x.T))
+
+    def half_logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """``out = x @ weight.T`` into a class-major half tile (``Plan.rows_per_step``)."""
+        torch.mm(weight, x.T, out=out.T)

@@ -84,7 +84,16 @@ def run_divergence(
     rows = input.shape[0]
     classes = plan_classes or local_classes
     tiles = tiles_for(head.keeps_logits, transform, any(needs), companion=True)
-    plan = make_plan(rows, input.shape[1], classes, input.dtype, input.device, options, tiles=tiles)
+    plan = make_plan(
+        rows,
+        input.shape[1],
+        classes,
+        input.dtype,
+        input.device,
+        options,
+        tiles=tiles,
+        half_tile=False,
+    )
     teacher_plan = make_plan(
         rows,
         teacher_input.shape[1],
@@ -94,6 +103,7 @@ def run_divergence(
         options,
         tiles=tiles,
         share=DIVERGENCE_SHARE,
+        half_tile=False,
     )
     companion = Companion(
         teacher_input, teacher_weight, teacher_bias, teacher_transform, teacher_plan.gemm

@@ -46,6 +46,11 @@ BUDGET_SHARE = 0.25
 #: of this share, within the 2.5× of the gradients' bytes half inputs may take. The
 #: native path keeps the quarter: its half temporaries would take it past 2.5×.
 HALF_CPU_BUDGET_SHARE = 0.5
+#: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``): the half
+#: tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit
+#: instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on steps
+#: of this many rows.
+HALF_TILE_STEP_ROWS = 64
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.vocab_pass`) before its
 #: rows are split into groups: the block's three GEMMs have ``C`` as a dimension (and the
 #: input gradient's as its inner one), and stay within ~10% of their large-block rate from
@@ -62,6 +67,10 @@ class Plan:
 
     Attributes:
         rows_per_chunk: rows of the input processed together.
+        rows_per_step: with native half GEMMs on a CPU (``NativeHalf``), rows whose
+            logits the chunk loop widens to fp32 at a time, the chunk's own tile holding
+            its logits and gradient in the half dtype (a *half tile*); otherwise
+            ``rows_per_chunk``.
         classes_per_block: classes of each vocabulary block of the vocabulary pass
             (:mod:`linear_ce.vocab_pass`); the whole vocabulary in the chunk loop.
         input_dtype: dtype of input, weight and the returned gradients.
@@ -78,6 +87,7 @@ class Plan:
     """
 
     rows_per_chunk: int
+    rows_per_step: int
     classes_per_block: int
     input_dtype: torch.dtype
     acc_dtype: torch.dtype
@@ -202,6 +212,7 @@ def make_plan(
     share: float | None = None,
     vocab_pass: bool = False,
     gathered: bool = True,
+    half_tile: bool = True,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -223,6 +234,12 @@ def make_plan(
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
     :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``; ``gathered``: some row is
     ignored, so a group's rows may be gathered into buffers of their own (budgeted).
+
+    ``half_tile``: with native half GEMMs on a CPU the chunk loop may keep a half tile
+    (``Plan.rows_per_step``): chunks are planned for ``HALF_CPU_BUDGET_SHARE`` of the
+    gradients' bytes at 2 bytes per logit, with ``HALF_TILE_STEP_ROWS``-row fp32 steps
+    (the weight-gradient sum then holds no chunk). ``False`` for a caller whose loop
+    cannot use one (a companion head).
     """
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
@@ -241,8 +258,9 @@ def make_plan(
         gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
+    half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
     if share is None:
-        share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) else BUDGET_SHARE
+        share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) or half else BUDGET_SHARE
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
@@ -264,13 +282,22 @@ def make_plan(
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
             rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit, per_row
         )
+        rows_per_step = rows_per_chunk
+    elif half:
+        rows_per_chunk = choose_chunk_rows(
+            rows, in_features, num_classes, options, input_dtype, input_dtype, 1, share
+        )
+        rows_per_step = min(rows_per_chunk, HALF_TILE_STEP_ROWS)
+        classes_per_block = num_classes
     else:
         rows_per_chunk = choose_chunk_rows(
             rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles, share
         )
+        rows_per_step = rows_per_chunk
         classes_per_block = num_classes
     return Plan(
         rows_per_chunk=rows_per_chunk,
+        rows_per_step=rows_per_step,
         classes_per_block=classes_per_block,
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,
