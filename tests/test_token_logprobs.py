@@ -39,23 +39,34 @@ def _inputs(seed: int, bias: bool, pattern: str):
     return x, W, b, t, up_lp, up_h
 
 
-def _plain(x, W, b, t, *, shift, temperature, logit_scale, softcap):
-    """``(logprob, entropy, top1)`` of the full logits, target's shape, zero where ignored."""
-    k = int(shift)
-    h = x[:, : T - k] if k else x
-    labels = t[:, k:] if k else t
-    s = h @ W.T
+def _logits(x, W, b, *, temperature=1.0, logit_scale=1.0, softcap=None):
+    s = x @ W.T
     if b is not None:
         s = s + b
     s = s * logit_scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s / temperature
+    return s / temperature
+
+
+def _logprob_entropy(s, labels):
+    """``(logprob, entropy)`` of logits ``s`` at ``labels``, zero where ignored."""
     logp = torch.log_softmax(s, dim=-1)
     valid = labels != -100
     safe = torch.where(valid, labels, 0)
     lp = torch.where(valid, logp.gather(-1, safe[..., None])[..., 0], 0.0)
-    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    return lp, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+
+
+def _plain(x, W, b, t, *, shift, **transform):
+    """``(logprob, entropy, top1)`` of the full logits, target's shape, zero where ignored."""
+    k = int(shift)
+    h = x[:, : T - k] if k else x
+    labels = t[:, k:] if k else t
+    s = _logits(h, W, b, **transform)
+    lp, ent = _logprob_entropy(s, labels)
+    valid = labels != -100
+    safe = torch.where(valid, labels, 0)
     top = s.max(-1, keepdim=True).values
     unique = (s == top).sum(-1) == 1
     top1 = valid & unique & (s.argmax(-1) == safe)
@@ -398,18 +409,9 @@ def test_bad_inputs_are_clear_errors(kwargs, message):
         )
 
 
-def _plain_rows(x, W, b, t, temperature=1.0, logit_scale=1.0, softcap=None):
+def _plain_rows(x, W, b, t, **transform):
     """``(logprob, entropy)`` per row of ``x`` ``(N, F)``, zero where ignored."""
-    s = x @ W.T
-    if b is not None:
-        s = s + b
-    s = s * logit_scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    logp = torch.log_softmax(s / temperature, dim=-1)
-    valid = t != -100
-    lp = torch.where(valid, logp.gather(-1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
-    return lp, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    return _logprob_entropy(_logits(x, W, b, **transform), t)
 
 
 def _many_rows(seed, n, feat, classes, dtype, bias=True):
@@ -494,6 +496,10 @@ def test_vjp_with_forward_row_stats_equals_without():
         linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats[:-1])
     with pytest.raises(ValueError, match=r"row_stats must have dtype"):
         linear_ce.token_logprobs_vjp(x, W, t, up_lp[0], None, row_stats=stats.half())
+    outside = t.clone()
+    outside[0] = V
+    with pytest.raises(ValueError, match=rf"class index {V}, outside"):
+        linear_ce.token_logprobs_vjp(x, W, outside, up_lp[0], None, row_stats=stats)
 
 
 _MEMORY_PREAMBLE = """

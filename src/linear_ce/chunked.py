@@ -41,11 +41,18 @@ from linear_ce.accumulate import weight_grad_sum
 from linear_ce.gemm import Gemm
 from linear_ce.losses.base import Head, RowStats
 from linear_ce.plan import Plan
-from linear_ce.row_chunks import chunk_size, row_chunks
+from linear_ce.row_chunks import RowChunk, chunk_size, row_chunks, rows_of
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab import LocalVocab
 
-__all__ = ["Companion", "Gradients", "keeps_second_tile", "run_chunks", "tiles_for"]
+__all__ = [
+    "Companion",
+    "Gradients",
+    "add_grad_input_rows",
+    "keeps_second_tile",
+    "run_chunks",
+    "tiles_for",
+]
 
 #: Elements of the block of ``eᵘ`` formed at a time when no second tile is kept (512 KiB
 #: in fp32: it stays in L2 between the exponential and the head's row sums).
@@ -122,8 +129,8 @@ def run_chunks(
     gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
     # A half tile (see the module doc): the chunk's logits and gradient in the input
     # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
-    half = plan.rows_per_step < plan.rows_per_chunk and companion is None
-    step = min(plan.rows_per_step, chunk) if half else chunk
+    step = min(plan.rows_per_step, chunk)
+    half = step < chunk
     half_tile = gemm.logits_buffer(chunk, local_classes, input.dtype, device) if half else None
     tile = gemm.logits_buffer(step, local_classes, acc, device)
     exp_tile = (
@@ -207,12 +214,7 @@ def run_chunks(
         b_p = None if bias is None else bias[:, p].to(acc)
         for chunk_rows in chunks[p]:
             n = chunk_size(chunk_rows)
-            sliced = isinstance(chunk_rows, slice)
-            if sliced:
-                x_rows = input[chunk_rows]
-            else:
-                x_rows = torch.index_select(input, 0, chunk_rows, out=x_rows_buf[:n])
-            x_op = gemm.operand(x_rows)
+            x_op = gemm.operand(rows_of(input, chunk_rows, x_rows_buf))
             if half:
                 logits = half_tile[:n]
                 gemm.half_logits(logits, x_op, w_op)
@@ -232,12 +234,7 @@ def run_chunks(
                 continue
             g_op = gemm.operand(g)
             if grad_input:
-                if sliced:
-                    gemm.add_grad_input(grad_x[chunk_rows], g_op, w_op)
-                else:
-                    gx = gx_rows_buf[:n].zero_()
-                    gemm.add_grad_input(gx, g_op, w_op)
-                    grad_x.index_add_(0, chunk_rows, gx)
+                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf)
             if grad_weight:
                 grad_w.add(p, g_op, x_op)
 
@@ -247,6 +244,24 @@ def run_chunks(
         weight=None if grad_w is None else grad_w.finish(),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
+
+
+def add_grad_input_rows(
+    gemm: Gemm,
+    grad_x: torch.Tensor,
+    rows: RowChunk,
+    grad_logits: torch.Tensor,
+    weight: torch.Tensor,
+    buffer: torch.Tensor | None,
+) -> None:
+    """``grad_x[rows] += grad_logits @ weight``: in place for consecutive rows, through
+    ``buffer`` (at least ``len(rows)`` rows) and ``index_add_`` for gathered ones."""
+    if isinstance(rows, slice):
+        gemm.add_grad_input(grad_x[rows], grad_logits, weight)
+        return
+    part = buffer[: rows.numel()].zero_()
+    gemm.add_grad_input(part, grad_logits, weight)
+    grad_x.index_add_(0, rows, part)
 
 
 def _sub_rows(rows, part: slice):
@@ -302,12 +317,8 @@ class _CompanionBuffers:
             self.w_op = c.gemm.weight_operand(c.weight[:, p, :])
             self.b_p = None if c.bias is None else c.bias[:, p].to(self.tile.dtype)
             self.position = p
-        if isinstance(rows, slice):
-            x_rows = c.input[rows]
-        else:
-            x_rows = torch.index_select(c.input, 0, rows, out=self.rows_buf[:n])
         t = self.tile[:n]
-        c.gemm.logits(t, c.gemm.operand(x_rows), self.w_op)
+        c.gemm.logits(t, c.gemm.operand(rows_of(c.input, rows, self.rows_buf)), self.w_op)
         if self.b_p is not None:
             t.add_(self.b_p)
         c.transform.apply_(t, None)

@@ -67,7 +67,7 @@ from linear_ce.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.token_logprobs import TokenLogprobs
 from linear_ce.token_objective import objective_loss
 from linear_ce.transform import check_scales
-from linear_ce.vocab_pass import run_vocab_pass
+from linear_ce.vocab_pass import vocab_pass_gradients
 
 __all__ = [
     "VocabShard",
@@ -470,37 +470,22 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None
         call = spec.call
-        valid = call.target != call.ignore_index
         head = TokenLogprobGradient(
             call.target.long(),
-            valid,
+            call.target != call.ignore_index,
             spec.shard.start,
             row_stats,
             grad_logprob,
             grad_entropy,
         )
-        rows, in_features = input.shape
-        plan = make_plan(
-            rows,
-            in_features,
-            weight.shape[0],
-            input.dtype,
-            input.device,
-            spec.options,
-            tiles=tiles_for(False, call.transform, True),
-            vocab_pass=True,
-            gathered=not bool(valid.all()),
-        )
-        grads = run_vocab_pass(
+        grads = vocab_pass_gradients(
             input,
             weight,
             bias,
             head,
             call.transform,
-            plan,
-            grad_input=need_x,
-            grad_weight=need_w,
-            grad_bias=need_b and bias is not None,
+            spec.options,
+            (need_x, need_w, need_b),
         )
         if grads.input is not None:
             spec.shard.sum_(grads.input)

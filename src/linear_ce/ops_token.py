@@ -31,7 +31,7 @@ from linear_ce.ops import (
 )
 from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
-from linear_ce.vocab_pass import run_vocab_pass
+from linear_ce.vocab_pass import vocab_pass_gradients
 
 __all__ = ["token_rows"]
 
@@ -87,48 +87,6 @@ def _head_and_grads(
     return head, grads
 
 
-def _vocab_pass_grads(
-    input,
-    linear_weight,
-    target,
-    linear_bias,
-    grad_logprob,
-    grad_entropy,
-    row_stats,
-    ignore_index,
-    transform,
-    options,
-    needs,
-) -> Gradients:
-    transform = LogitTransform.from_list(transform)
-    valid = target != ignore_index
-    head = TokenLogprobGradient(target.long(), valid, 0, row_stats, grad_logprob, grad_entropy)
-    rows, in_features = input.shape
-    plan = make_plan(
-        rows,
-        in_features,
-        linear_weight.shape[0],
-        input.dtype,
-        input.device,
-        options,
-        tiles=tiles_for(False, transform, True),
-        vocab_pass=True,
-        gathered=not bool(valid.all()),
-    )
-    need_x, need_w, need_b = needs
-    return run_vocab_pass(
-        input,
-        linear_weight,
-        linear_bias,
-        head,
-        transform,
-        plan,
-        grad_input=need_x,
-        grad_weight=need_w,
-        grad_bias=need_b and linear_bias is not None,
-    )
-
-
 @torch.library.custom_op("linear_ce::token_rows", mutates_args=())
 def token_rows(
     input: torch.Tensor,
@@ -180,20 +138,35 @@ def token_rows(
         return input.new_empty((0,), dtype=dtype)
 
     if backward:
-        call = _recomputed_grads if row_stats is None else _vocab_pass_grads
-        grads = call(
-            input,
-            linear_weight,
-            target,
-            linear_bias,
-            grad_logprob,
-            grad_entropy,
-            row_stats,
-            ignore_index,
-            transform,
-            options,
-            needs,
-        )
+        if row_stats is None:
+            grads = _head_and_grads(
+                input,
+                linear_weight,
+                target,
+                linear_bias,
+                grad_logprob,
+                grad_entropy,
+                ignore_index,
+                transform,
+                TokenOutputs(),
+                options,
+                needs,
+            )[1]
+        else:
+            # A direct token_logprobs_vjp call has had no forward to check its targets.
+            check_class_indices(target, ignore_index, linear_weight.shape[0], "token_logprobs")
+            head = TokenLogprobGradient(
+                target.long(), target != ignore_index, 0, row_stats, grad_logprob, grad_entropy
+            )
+            grads = vocab_pass_gradients(
+                input,
+                linear_weight,
+                linear_bias,
+                head,
+                LogitTransform.from_list(transform),
+                options,
+                needs,
+            )
         return (
             *(empty() for _ in range(3)),
             empty(torch.bool),
@@ -228,34 +201,6 @@ def token_rows(
         given(head.mean_logit, asked.mean_logit),
         *_gradient_outputs(Gradients(None, None, None), input),
     )
-
-
-def _recomputed_grads(
-    input,
-    linear_weight,
-    target,
-    linear_bias,
-    grad_logprob,
-    grad_entropy,
-    _row_stats,
-    ignore_index,
-    transform,
-    options,
-    needs,
-) -> Gradients:
-    return _head_and_grads(
-        input,
-        linear_weight,
-        target,
-        linear_bias,
-        grad_logprob,
-        grad_entropy,
-        ignore_index,
-        transform,
-        TokenOutputs(),
-        options,
-        needs,
-    )[1]
 
 
 @token_rows.register_fake

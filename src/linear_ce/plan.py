@@ -137,6 +137,12 @@ def choose_chunk_rows(
     grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
     row_bytes = num_classes * acc_dtype.itemsize * tiles
     budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
+    return _budgeted_rows(budget_rows, rows, divisor)
+
+
+def _budgeted_rows(budget_rows: int, rows: int, divisor: int) -> int:
+    """``budget_rows`` rounded down to a multiple of ``ROW_MULTIPLE`` (unless under one),
+    at least ``MIN_EFFICIENT_ROWS / divisor``, at most ``rows``, at least 1."""
     if budget_rows >= ROW_MULTIPLE:
         budget_rows -= budget_rows % ROW_MULTIPLE
     return max(1, min(rows, max(budget_rows, MIN_EFFICIENT_ROWS // divisor)))
@@ -175,10 +181,7 @@ def choose_vocab_blocks(
     if budgeted:
         group = rows
         if group * smallest > budget:
-            group = int(budget // smallest)
-            if group >= ROW_MULTIPLE:
-                group -= group % ROW_MULTIPLE
-            group = max(1, min(rows, max(group, MIN_EFFICIENT_ROWS // divisor)))
+            group = _budgeted_rows(int(budget // smallest), rows, divisor)
     else:
         group = choose_chunk_rows(rows, in_features, num_classes, options, input_dtype, acc_dtype)
     classes = int(max(budget - group * bytes_per_row, 0) // (group * bytes_per_logit))

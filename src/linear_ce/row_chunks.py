@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["RowChunk", "chunk_size", "row_chunks"]
+__all__ = ["RowChunk", "chunk_size", "row_chunks", "rows_of"]
 
 #: A chunk's rows: consecutive (``slice``) or gathered (an index tensor on the device).
 RowChunk = slice | torch.Tensor
@@ -49,3 +49,11 @@ def _column_chunks(
 def chunk_size(rows: RowChunk) -> int:
     """Number of rows in a chunk."""
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def rows_of(t: torch.Tensor, rows: RowChunk, buffer: torch.Tensor | None) -> torch.Tensor:
+    """``t[rows]``: a view for consecutive rows, else gathered into ``buffer`` (at least
+    ``chunk_size(rows)`` rows of ``t``'s row shape and dtype)."""
+    if isinstance(rows, slice):
+        return t[rows]
+    return torch.index_select(t, 0, rows, out=buffer[: rows.numel()])

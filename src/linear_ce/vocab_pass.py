@@ -25,13 +25,51 @@ from __future__ import annotations
 
 import torch
 
-from linear_ce.chunked import Gradients
+from linear_ce.chunked import Gradients, add_grad_input_rows, tiles_for
 from linear_ce.losses.base import KnownStatsHead
-from linear_ce.plan import Plan
-from linear_ce.row_chunks import chunk_size, row_chunks
+from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.plan import Plan, make_plan
+from linear_ce.row_chunks import chunk_size, row_chunks, rows_of
 from linear_ce.transform import LogitTransform
 
-__all__ = ["run_vocab_pass"]
+__all__ = ["run_vocab_pass", "vocab_pass_gradients"]
+
+
+def vocab_pass_gradients(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    head: KnownStatsHead,
+    transform: LogitTransform,
+    options: LinearCrossEntropyOptions,
+    needs: tuple[bool, bool, bool],
+) -> Gradients:
+    """:func:`run_vocab_pass` on its own plan (:func:`linear_ce.plan.make_plan` with
+    ``vocab_pass=True``), for the gradients ``needs`` asks for (input, weight, bias)."""
+    rows, in_features = input.shape
+    plan = make_plan(
+        rows,
+        in_features,
+        weight.shape[0],
+        input.dtype,
+        input.device,
+        options,
+        tiles=tiles_for(False, transform, True),
+        vocab_pass=True,
+        gathered=not bool(head.valid.all()),
+    )
+    need_x, need_w, need_b = needs
+    return run_vocab_pass(
+        input,
+        weight,
+        bias,
+        head,
+        transform,
+        plan,
+        grad_input=need_x,
+        grad_weight=need_w,
+        grad_bias=need_b and bias is not None,
+    )
 
 
 def run_vocab_pass(
@@ -93,12 +131,7 @@ def run_vocab_pass(
                 w_acc = grad_w[span, p] if w_sum is None else w_sum[:width].zero_()
             for group_rows in groups[p]:
                 n = chunk_size(group_rows)
-                sliced = isinstance(group_rows, slice)
-                if sliced:
-                    x_rows = input[group_rows]
-                else:
-                    x_rows = torch.index_select(input, 0, group_rows, out=x_rows_buf[:n])
-                x_op = gemm.operand(x_rows)
+                x_op = gemm.operand(rows_of(input, group_rows, x_rows_buf))
                 s = _tile(tile_store, n, width, class_major)
                 sech2 = None if sech2_store is None else _tile(sech2_store, n, width, class_major)
                 gemm.logits(s, x_op, w_op)
@@ -114,12 +147,7 @@ def run_vocab_pass(
                     continue
                 g_op = gemm.operand(s)
                 if grad_input:
-                    if sliced:
-                        gemm.add_grad_input(grad_x[group_rows], g_op, w_op)
-                    else:
-                        gx = gx_rows_buf[:n].zero_()
-                        gemm.add_grad_input(gx, g_op, w_op)
-                        grad_x.index_add_(0, group_rows, gx)
+                    add_grad_input_rows(gemm, grad_x, group_rows, g_op, w_op, gx_rows_buf)
                 if grad_weight:
                     gemm.add_product(w_acc, g_op.T, x_op)
             if grad_weight and w_sum is not None:
