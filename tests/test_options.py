@@ -92,18 +92,47 @@ def test_aspect_ratio_rule():
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_plan_share_by_path(monkeypatch, dtype, native):
     """Half inputs on the non-native CPU path take the larger share (their gradients have
-    half the bytes, the scratch stays fp32), so their chunks match fp32's: 256 rows at
-    2048/1024/32768. The native path keeps a half tile: 544-row chunks (the same share at
-    2 bytes per logit) whose fp32 math runs 64 rows at a time."""
+    half the bytes, the scratch stays fp32). The native path keeps a half tile (the same
+    share at 2 bytes per logit) whose fp32 math runs 64 rows at a time. At 2048/1024/32768
+    both then have at most 4 chunks, so the weight gradient is summed in the result
+    itself and the split sum's plane (V·F bytes) goes to the chunks: 512 rows
+    (non-native; 256 without it) and 1056 (native; 544 without it). fp32: 256 rows."""
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
     plan = make_plan(2048, 1024, 32768, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
-    if dtype == torch.float32 or isinstance(plan.gemm, BlockUpcast):
+    if dtype == torch.float32:
         assert plan.rows_per_chunk == plan.rows_per_step == 256
+    elif isinstance(plan.gemm, BlockUpcast):
+        assert plan.rows_per_chunk == plan.rows_per_step == 512
+        assert plan.weight_grad == "direct"
     else:
         assert isinstance(plan.gemm, NativeHalf)
-        assert (plan.rows_per_chunk, plan.rows_per_step) == (544, 64)
+        assert (plan.rows_per_chunk, plan.rows_per_step) == (1056, 64)
+        assert plan.weight_grad == "direct"
     if native == "0" and dtype != torch.float32:
         assert isinstance(plan.gemm, BlockUpcast)
+
+
+@pytest.mark.parametrize(
+    ("native", "rows", "chunk", "held"),
+    [
+        ("1", 4352, 1088, "direct"),  # 4 chunks with the plane's bytes
+        ("1", 4480, 576, "split"),  # 5 with them: the plane and half-share chunks
+        ("0", 2048, 512, "direct"),
+        ("0", 4096, 288, "split"),
+    ],
+)
+def test_direct_sum_at_most_four_chunks(monkeypatch, native, rows, chunk, held):
+    """``"auto"`` (``"balanced"``) on either CPU path: the weight gradient is summed in
+    the result itself exactly when the chunks planned without the split sum's plane
+    number at most ``DIRECT_SUM_MAX_CHUNKS`` (4); else split, with chunks of the plain share."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    plan = make_plan(
+        rows, 1024, 32768, torch.bfloat16, torch.device("cpu"), LinearCrossEntropyOptions()
+    )
+    if native == "1" and not isinstance(plan.gemm, NativeHalf):
+        pytest.skip("this CPU has no native bf16 GEMMs")
+    assert (plan.rows_per_chunk, plan.weight_grad) == (chunk, held)
+    assert plan.weight_grad_dtype == (torch.bfloat16 if held == "direct" else torch.float32)
 
 
 def _blocks(rows, features, classes, bytes_per_logit=4, bytes_per_row=0, **options):
@@ -184,16 +213,18 @@ def test_plan_resolves_policy_and_backend():
         Upcast,
     )
     # "auto" for half inputs on a CPU: "balanced", native half GEMMs where the CPU has them,
-    # else the weight upcast in vocabulary blocks; an fp32 weight-gradient sum held split.
+    # else the weight upcast in vocabulary blocks; an fp32 weight-gradient sum held split
+    # over more than DIRECT_SUM_MAX_CHUNKS chunks, in the result itself over fewer.
     for dtype in (torch.bfloat16, torch.float16):
-        p = plan(dtype, cpu)
         backend = NativeHalf if native_half_gemm(dtype, cpu) else BlockUpcast
-        assert (p.policy, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
-            "balanced",
-            torch.float32,
-            "split",
-            backend,
-        )
+        for chunk, held, sum_dtype in [(4, "split", torch.float32), (16, "direct", dtype)]:
+            p = plan(dtype, cpu, batch_chunk_size=chunk)
+            assert (p.policy, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
+                "balanced",
+                sum_dtype,
+                held,
+                backend,
+            )
     p = plan(torch.float16, cpu, acc_policy="compact")
     assert (p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
         torch.float16,

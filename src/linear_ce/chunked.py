@@ -34,6 +34,7 @@ first statistics are combined, and combined over shards in a second round.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -57,6 +58,7 @@ __all__ = [
 #: Elements of the block of ``eᵘ`` formed at a time when no second tile is kept (512 KiB
 #: in fp32: it stays in L2 between the exponential and the head's row sums).
 EXP_BLOCK_ELEMENTS = 1 << 17
+_LOG2_E = math.log2(math.e)
 
 
 @dataclasses.dataclass
@@ -131,8 +133,9 @@ def run_chunks(
     # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
     step = min(plan.rows_per_step, chunk)
     half = step < chunk
-    half_tile = gemm.logits_buffer(chunk, local_classes, input.dtype, device) if half else None
-    tile = gemm.logits_buffer(step, local_classes, acc, device)
+    buffer = gemm.half_tile_buffer if half else gemm.logits_buffer
+    half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
+    tile = buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
         if keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
@@ -140,9 +143,7 @@ def run_chunks(
     )
     exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
     exp_block = (
-        gemm.logits_buffer(step, exp_step, acc, device)
-        if head.keeps_logits and exp_tile is None
-        else None
+        buffer(step, exp_step, acc, device) if head.keeps_logits and exp_tile is None else None
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
@@ -182,10 +183,10 @@ def run_chunks(
         stats = stats_buf[:n]
         head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
         if exp_block is not None:
-            _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n])
+            _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n], plan.exp2)
             e = None
         else:
-            e = u.exp_() if exp_tile is None else torch.exp(u, out=exp_tile[:n])
+            e = _exp(u, u if exp_tile is None else exp_tile[:n], plan.exp2)
             torch.sum(e, dim=1, out=stats[:, 0])
             head.sums_after_exp(u, e, stats[:, 1:])
         vocab.sum_(stats)
@@ -271,18 +272,30 @@ def _sub_rows(rows, part: slice):
     return rows[part]
 
 
+def _exp(u: torch.Tensor, out: torch.Tensor, base2: bool) -> torch.Tensor:
+    """``out = eᵘ`` (``out`` may be ``u``); with ``base2`` as ``2^(u·log₂e)`` (``Plan.exp2``)."""
+    if base2:
+        return torch.mul(u, _LOG2_E, out=out).exp2_()
+    return torch.exp(u, out=out)
+
+
 def _sums_in_blocks(
-    head: Head, u: torch.Tensor, block: torch.Tensor, stats: torch.Tensor, part: torch.Tensor
+    head: Head,
+    u: torch.Tensor,
+    block: torch.Tensor,
+    stats: torch.Tensor,
+    part: torch.Tensor,
+    base2: bool,
 ) -> None:
     """``Σ eᵘ`` and the head's ``sums_after_exp`` a block of columns at a time, ``eᵘ``
-    formed in ``block``. Row sums add up over blocks: the first block's are written
+    formed in ``block`` (``base2``: see :func:`_exp`). Row sums add up over blocks: the first block's are written
     into ``stats``, each later block's into ``part`` (zeroed: the head writes only its
     own slots) and added."""
     step = block.shape[1]
     for start in range(0, u.shape[1], step):
         u_part = u[:, start : start + step]
         e = block[:, : u_part.shape[1]]
-        torch.exp(u_part, out=e)
+        _exp(u_part, e, base2)
         if start == 0:
             torch.sum(e, dim=1, out=stats[:, 0])
             head.sums_after_exp(u_part, e, stats[:, 1:])
