@@ -164,3 +164,32 @@ def test_bad_cli_values():
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert set(DEFAULT) <= set(VARIANTS)
+
+
+def test_half_rows_have_a_paired_ratio_to_their_own_dtype_floor():
+    """A bf16 training row is divided, round by round, by the fp32 floor and by the bf16
+    floor of the same round; an fp32 row and a forward row get no second ratio."""
+    from linear_ce.bench.report import summarize
+    from linear_ce.bench.runner import Measured
+
+    def measured(*seconds):
+        return Measured(seconds=list(seconds), peak_bytes=[1])
+
+    half = config.Point(8, 4, 16, "bf16", "cpu")
+    rows = summarize(
+        half,
+        {
+            "floor": measured(1.0, 2.0, 1.0),
+            "floor-fp32": measured(2.0, 4.0, 3.0),
+            "linear_ce": measured(1.1, 2.4, 1.3),
+            "floor-fwd": measured(0.5, 0.5, 0.5),
+            "linear_ce-fwd": measured(0.5, 0.6, 0.7),
+        },
+    )
+    by_name = {row.variant: row for row in rows}
+    assert by_name["linear_ce"].ratio == pytest.approx(0.55)  # median of 0.55, 0.6, 0.4333
+    assert by_name["linear_ce"].own_ratio == pytest.approx(1.2)  # median of 1.1, 1.2, 1.3
+    assert by_name["linear_ce-fwd"].own_ratio is None
+    full = config.Point(8, 4, 16, "fp32", "cpu")
+    rows = summarize(full, {"floor": measured(1.0), "linear_ce": measured(1.1)})
+    assert rows[1].own_ratio is None and rows[1].ratio == pytest.approx(1.1)

@@ -130,7 +130,7 @@ def _replot(args: argparse.Namespace) -> int:
 
     meta, summaries = report.read_json(Path(args.replot))
     varies = [d for d in "NDV" if len({getattr(p, d) for p, _ in summaries}) > 1]
-    Console(width=None if sys.stdout.isatty() else 132).print(report.table(summaries, _title(meta)))
+    Console(width=None if sys.stdout.isatty() else 160).print(report.table(summaries, _title(meta)))
     report.write_plot(summaries, varies[0] if varies else "V", Path(args.plot), _title(meta))
     print(f"plot: {args.plot}")
     return 0
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print("--device cuda: torch sees no CUDA device", file=sys.stderr)
             return 2
     # A pipe or CI log gets a table wide enough to read, not the 80-column default.
-    console = Console(width=None if sys.stdout.isatty() else 132)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     points = config.points(
         args.shape_list,
         args.dtype_list,

@@ -2,9 +2,10 @@
 
 Time is the median over repeats; the ratio to the floor is the median of the
 per-repeat ratios (each repeat's variant time over the same repeat's floor),
-so a slow spell of the machine cancels. Memory is the largest transient peak
-over the repeats, also given as a multiple of the gradients' bytes
-(``grad_input`` + ``grad_weight`` in the input dtype).
+so a slow spell of the machine cancels. Half-precision rows are divided by the
+fp32 floor and, where it was measured, by the floor in their own dtype too.
+Memory is the largest transient peak over the repeats, also given as a multiple
+of the gradients' bytes (``grad_input`` + ``grad_weight`` in the input dtype).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from linear_ce.bench.config import Point
 from linear_ce.bench.runner import Measured
-from linear_ce.bench.variants import VARIANTS, reference_variant
+from linear_ce.bench.variants import VARIANTS, own_floor_variant, reference_variant
 
 __all__ = [
     "COLORS",
@@ -49,6 +50,7 @@ class Row:
     peak_bytes: int | None
     peak_ratio: float | None
     note: str
+    own_ratio: float | None = None
 
 
 def _paired_ratio(times: list[float], ref: list[float]) -> float | None:
@@ -71,6 +73,7 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
             rows.append(Row(name, kind, reference, None, None, None, None, note or "no samples"))
             continue
         peak = max(m.peak_bytes)
+        own = measured.get(own_floor_variant(point, kind) or "")
         rows.append(
             Row(
                 variant=name,
@@ -81,6 +84,7 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
                 peak_bytes=peak,
                 peak_ratio=peak / point.grad_bytes,
                 note=note,
+                own_ratio=_paired_ratio(m.seconds, own.seconds) if own is not None else None,
             )
         )
     return rows
@@ -100,6 +104,7 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
         ("variant", "left"),
         ("time s", "right"),
         ("× floor", "right"),
+        ("× own floor", "right"),
         ("peak MiB", "right"),
         ("× grads", "right"),
         ("note", "left"),
@@ -117,6 +122,7 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
                 row.variant,
                 _fmt(row.seconds, ".3f"),
                 ratio,
+                _fmt(row.own_ratio, ".2f"),
                 _fmt(None if row.peak_bytes is None else row.peak_bytes / _MIB, ".0f"),
                 _fmt(row.peak_ratio, ".2f"),
                 row.note,

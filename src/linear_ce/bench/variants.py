@@ -28,6 +28,7 @@ __all__ = [
     "Variant",
     "make_inputs",
     "measured_at",
+    "own_floor_variant",
     "reference_variant",
 ]
 
@@ -594,6 +595,15 @@ def reference_variant(point: Point, kind: str) -> str:
         return "floor-fwd"
     base = "floor-2heads" if point.head == "divergence" else "floor"
     return f"{base}-fp32" if point.torch_dtype in _HALF else base
+
+
+def own_floor_variant(point: Point, kind: str) -> str | None:
+    """For a half-precision training variant, the floor in its own dtype (``floor``, or
+    ``floor-2heads`` at a distillation point): the reference of the native-half targets,
+    next to :func:`reference_variant`'s fp32 one. ``None`` elsewhere."""
+    if kind == "forward" or point.torch_dtype not in _HALF:
+        return None
+    return "floor-2heads" if point.head == "divergence" else "floor"
 
 
 def make_inputs(point: Point, seed: int = 0) -> Inputs:
