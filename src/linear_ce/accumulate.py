@@ -7,9 +7,11 @@ once, which returns the ``(V, P, F)`` gradient in the input dtype. How the sum
 is held is the plan's ``weight_grad``:
 
 - ``"direct"``: each chunk's product is added straight into the result (in the
-  GEMM itself where the dtypes match). Exact for fp32/fp64 inputs; for half
-  inputs (``acc_policy="compact"``) one rounding to the half dtype per chunk, so
-  the error grows with the number of chunks.
+  GEMM itself where the dtypes match; a position's first product is written).
+  Exact for fp32/fp64 inputs; for half inputs one rounding to the half dtype per
+  chunk, so the error grows with the number of chunks: ``acc_policy="compact"``,
+  and ``"balanced"`` over at most ``DIRECT_SUM_MAX_CHUNKS`` chunks (see
+  :mod:`linear_ce.plan`).
 - ``"wide"``: a separate ``acc_dtype`` ``(V, P, F)`` buffer, converted at the end.
 - ``"split"``: the fp32 sum, held in the result's own storage plus a low-order
   plane: fp32's top 16 bits live in the result tensor, the next 8 bits in a

@@ -303,41 +303,27 @@ def make_plan(
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
             rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit, per_row
         )
-        return Plan(
-            rows_per_chunk=rows_per_chunk,
-            rows_per_step=rows_per_chunk,
-            classes_per_block=classes_per_block,
-            input_dtype=input_dtype,
-            acc_dtype=acc_dtype,
-            weight_grad_dtype=weight_grad_dtype,
-            weight_grad=weight_grad,
-            gemm=gemm,
-            policy=policy,
-            exp2=exp2,
-        )
+    else:
+        # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
+        tile_dtype, tile_count = (input_dtype, 1) if half else (acc_dtype, tiles)
 
-    def chunk_rows(share: float) -> int:
-        # A half tile holds 2 bytes per logit, one tile; otherwise ``tiles`` of acc_dtype.
-        if half:
+        def chunk_rows(share: float) -> int:
             return choose_chunk_rows(
-                rows, in_features, num_classes, options, input_dtype, input_dtype, 1, share
+                rows, in_features, num_classes, options, input_dtype, tile_dtype, tile_count, share
             )
-        return choose_chunk_rows(
-            rows, in_features, num_classes, options, input_dtype, acc_dtype, tiles, share
-        )
 
-    rows_per_chunk = chunk_rows(share)
-    if weight_grad == "split":
-        # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
-        plane_share = num_classes / ((rows + num_classes) * input_dtype.itemsize)
-        direct_rows = chunk_rows(share + plane_share)
-        if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
-            weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
+        rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
+        if weight_grad == "split":
+            # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
+            plane_share = num_classes / ((rows + num_classes) * input_dtype.itemsize)
+            direct_rows = chunk_rows(share + plane_share)
+            if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
+                weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
     rows_per_step = min(rows_per_chunk, HALF_TILE_STEP_ROWS) if half else rows_per_chunk
     return Plan(
         rows_per_chunk=rows_per_chunk,
         rows_per_step=rows_per_step,
-        classes_per_block=num_classes,
+        classes_per_block=classes_per_block,
         input_dtype=input_dtype,
         acc_dtype=acc_dtype,
         weight_grad_dtype=weight_grad_dtype,
