@@ -96,7 +96,8 @@ def test_plan_share_by_path(monkeypatch, dtype, native):
     share at 2 bytes per logit) whose fp32 math runs 64 rows at a time. At 2048/1024/32768
     both then have at most 4 chunks, so the weight gradient is summed in the result
     itself and the split sum's plane (V·F bytes) goes to the chunks: 512 rows
-    (non-native; 256 without it) and 1056 (native; 544 without it). fp32: 256 rows."""
+    (non-native; 256 without it) and 1056 evened out to 2 × 1024 (native; 544 without
+    it). fp32: 256 rows."""
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
     plan = make_plan(2048, 1024, 32768, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
     if dtype == torch.float32:
@@ -106,7 +107,7 @@ def test_plan_share_by_path(monkeypatch, dtype, native):
         assert plan.weight_grad == "direct"
     else:
         assert isinstance(plan.gemm, NativeHalf)
-        assert (plan.rows_per_chunk, plan.rows_per_step) == (1056, 64)
+        assert (plan.rows_per_chunk, plan.rows_per_step) == (1024, 64)
         assert plan.weight_grad == "direct"
     if native == "0" and dtype != torch.float32:
         assert isinstance(plan.gemm, BlockUpcast)
@@ -174,9 +175,11 @@ def test_vocab_pass_rule():
 def test_budget_rule():
     # Gradients (8192 + 32000)·4096·4 B = 658 505 728 B; a quarter is 164 626 432 B;
     # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows, rounded down to a
-    # multiple of 32 for the GEMM -> 1280.
-    assert _rows(8192, 4096, 32_000) == 1280
-    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1280
+    # multiple of 32 for the GEMM -> 1280; evened out over its 7 chunks: 1171 -> 1184.
+    assert _rows(8192, 4096, 32_000) == 1184
+    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1184
+    # A budget that divides the rows evenly stays: 272 rows -> 256, 8 chunks of 256.
+    assert _rows(2048, 1024, 32_768) == 256
     assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 640  # 643 rounded
     assert _rows(8192, 4096, 32_000, tiles=2) == 640  # two scratch tiles (e.g. softcap)
     # bf16 gradients with fp32 scratch: half the budget for the same row bytes.

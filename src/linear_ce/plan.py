@@ -134,7 +134,8 @@ def choose_chunk_rows(
     (default ``BUDGET_SHARE``) of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
-    than ``rows``.
+    than ``rows``; then evened out over the same number of chunks (each rounded up
+    to a multiple of ``ROW_MULTIPLE``, within the budget).
     ``"aspect_ratio[:N]"``: torch's rule, ``next_pow2(ceil(rows / ceil(V / F))) / N``.
     """
     if rows == 0:
@@ -151,7 +152,7 @@ def choose_chunk_rows(
     grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
     row_bytes = num_classes * acc_dtype.itemsize * tiles
     budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
-    return _budgeted_rows(budget_rows, rows, divisor)
+    return _evened(_budgeted_rows(budget_rows, rows, divisor), rows)
 
 
 def _budgeted_rows(budget_rows: int, rows: int, divisor: int) -> int:
@@ -160,6 +161,17 @@ def _budgeted_rows(budget_rows: int, rows: int, divisor: int) -> int:
     if budget_rows >= ROW_MULTIPLE:
         budget_rows -= budget_rows % ROW_MULTIPLE
     return max(1, min(rows, max(budget_rows, MIN_EFFICIENT_ROWS // divisor)))
+
+
+def _evened(chunk: int, rows: int) -> int:
+    """Chunks of ``rows`` as many as ``chunk`` gives, of equal size: ``rows / chunks``
+    rounded up to a multiple of ``ROW_MULTIPLE`` (never above ``chunk``). At N=2048 two
+    chunks of 1024 rows ran their bf16 GEMMs ~4% faster than 1056 + 992 (8 paired
+    rounds, 2-core Zen 4)."""
+    even = -(-rows // -(-rows // chunk))
+    if even >= ROW_MULTIPLE:
+        even = -(-even // ROW_MULTIPLE) * ROW_MULTIPLE
+    return min(chunk, even)
 
 
 def choose_vocab_blocks(
