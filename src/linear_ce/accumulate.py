@@ -88,12 +88,19 @@ class DirectSum:
             else:
                 acc.addmm_(grad_logits.T, x)
             return
-        # A narrower sum: the product is formed a block of classes at a time.
+        # Another dtype: the product is formed a block of classes at a time, each in the
+        # first block's (the largest) storage (see gemm.BlockUpcast on the heap).
+        products = None
         for block in vocab_blocks(acc.shape[0], acc.shape[1]):
-            if first:
-                acc[block].copy_(self.gemm.product(grad_logits[:, block].T, x))
+            a = grad_logits[:, block].T
+            if products is None:
+                product = products = self.gemm.product(a, x)
             else:
-                self.gemm.add_product(acc[block], grad_logits[:, block].T, x)
+                product = self.gemm.product_into(products[: block.stop - block.start], a, x)
+            if first:
+                acc[block].copy_(product)
+            else:
+                acc[block].add_(product)
 
     def finish(self) -> torch.Tensor:
         return self._summed()
