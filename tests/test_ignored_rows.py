@@ -289,3 +289,29 @@ def test_compiled_fullgraph_with_ignored_rows(reduction):
     assert rel_err(got, ref) <= 3 * eps(torch.float32)
     for a, r in zip(leaves, ref_leaves, strict=True):
         assert rel_err(a.grad, r.grad) <= 3 * eps(torch.float32)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_position_without_a_valid_row_gets_a_zero_weight_gradient(monkeypatch, dtype, native):
+    """The weight-gradient sum is not zeroed up front (a position's first product is
+    written): a K-dimensional position whose every target is ignored gets exactly zero,
+    and the others match the float64 expression, over several chunks."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 16, generator=gen, dtype=torch.float64)
+    W = torch.randn(40, 3, 16, generator=gen, dtype=torch.float64) / 4
+    t = torch.randint(0, 40, (300, 3), generator=gen)
+    t[:, 1] = -100
+    t[::7, 2] = -100
+    xs, Ws = (v.to(dtype).requires_grad_() for v in (x, W))
+    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+    linear_ce.linear_cross_entropy(xs, Ws, t, reduction="sum", options=options).backward()
+    grads = {}
+    for dt in (torch.float64, dtype):  # the exact expression, and the plain one in dtype
+        xr, Wr = (v.to(dtype).to(dt).requires_grad_() for v in (x, W))
+        F.cross_entropy(torch.einsum("nf,vpf->nvp", xr, Wr), t, reduction="sum").backward()
+        grads[dt] = (xr.grad, Wr.grad)
+    assert torch.equal(Ws.grad[:, 1], torch.zeros_like(Ws.grad[:, 1]))
+    for got, own, ref in zip((xs.grad, Ws.grad), grads[dtype], grads[torch.float64], strict=True):
+        assert rel_err(got, ref) <= max(3 * eps(dtype), 2 * rel_err(own, ref))

@@ -45,7 +45,9 @@ BUDGET_SHARE = 0.25
 #: fp32: at N=2048, D=1024, V=32768 the quarter share gives 128-row chunks, which ran at
 #: 1.30× (bf16) and 1.17× (fp16) the fp32 floor, against 1.01× and 1.00× at the 256 rows
 #: of this share, within the 2.5× of the gradients' bytes half inputs may take. The
-#: native path takes it too, for its half tile at 2 bytes per logit (544-row chunks there).
+#: native path takes it too, for its half tile at 2 bytes per logit (544-row chunks there
+#: with the split sum; with at most ``DIRECT_SUM_MAX_CHUNKS`` chunks the plane's bytes are
+#: added, 2 × 1024 rows).
 HALF_CPU_BUDGET_SHARE = 0.5
 #: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``): the half
 #: tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit
