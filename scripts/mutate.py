@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "temperature forgotten without a softcap",
-        "src/linear_ce/transform.py",
+        "src/linear_ce/engine/transform.py",
         (
             (
                 "            if self.temperature != 1.0:\n                logits.div_(self.temperature)\n            return",
@@ -142,7 +142,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "capability check always answers False",
-        "src/linear_ce/capability.py",
+        "src/linear_ce/engine/capability.py",
         (
             (
                 "    return any(flag in _cpu_flags() for flag in _CPU_FLAGS[dtype])",
@@ -153,7 +153,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         'one chunk for reduction="none"',
-        "src/linear_ce/ops.py",
+        "src/linear_ce/ops/cross_entropy.py",
         (
             (
                 "    rows, in_features = call.input.shape\n    return make_plan(",
@@ -167,11 +167,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "an fp32 copy of the weight on the native half path",
-        "src/linear_ce/gemm.py",
+        "src/linear_ce/engine/gemm.py",
         (
             (
-                "        out.copy_(torch.mm(weight, x.T).T)",
-                "        out.copy_(torch.mm(weight.float(), x.T.float()).T)",
+                'half tile from :meth:`half_tile_buffer`."""\n        torch.mm(x, weight.T, out=out)',
+                'half tile from :meth:`half_tile_buffer`."""\n'
+                "        out.copy_(torch.mm(x.float(), weight.T.float()))",
             ),
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),

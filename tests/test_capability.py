@@ -2,7 +2,7 @@
 
 oneDNN runs bf16 GEMMs natively with AVX512-BF16 or AMX-BF16, fp16 ones with
 AVX512-FP16 or AMX-FP16; the expectations below come from the flags this
-test reads itself, not from :func:`linear_ce.capability.native_half_gemm`.
+test reads itself, not from :func:`linear_ce.engine.capability.native_half_gemm`.
 ``LINEAR_CE_NATIVE_HALF_GEMM=0`` in the environment (issue 16) forces the
 answer to "not native"; any other value of it is not this test's business.
 """
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.capability import native_half_gemm
-from linear_ce.gemm import NativeHalf
-from linear_ce.plan import make_plan
+from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.gemm import NativeHalf
+from linear_ce.engine.plan import make_plan
 
 CPU = torch.device("cpu")
 #: The instructions oneDNN needs for each half dtype (any one of them suffices).

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.gemm import CudaOutDtype, SameDtype, Upcast
-from linear_ce.plan import make_plan
+from linear_ce.engine.gemm import CudaOutDtype, SameDtype, Upcast
+from linear_ce.engine.plan import make_plan
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.ops_divergence import divergence
+from linear_ce.ops.divergence import divergence
 from memory_probe import transient_peaks
 
 B, T, FS, FT, V = 2, 11, 8, 12, 37

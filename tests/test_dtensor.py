@@ -1,4 +1,4 @@
-"""DTensor arguments (``linear_ce.dtensor``) over gloo on loopback, 2 and 4 processes.
+"""DTensor arguments (``linear_ce.parallel.dtensor``) over gloo on loopback, 2 and 4 processes.
 
 One spawn per world size: every rank builds the same full inputs from a seed, lays them
 out on a device mesh (the weight split along the vocabulary or replicated, the input
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import linear_ce
 import linear_ce.objectives as obj
 from conftest import eps, rel_err
-from linear_ce.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors
 
 IGNORE = -100
 TOL = 1e-5  # against the single-process result, as tests/test_distributed.py

@@ -210,7 +210,7 @@ def test_batch_time_input_keeps_its_shape(reduction):
 
 
 def test_batch_time_input_is_not_copied():
-    from linear_ce.arguments import check_call
+    from linear_ce.checks.call import check_call
 
     x = torch.randn(2, 6, 8)
     t = torch.randint(0, 11, (2, 6))

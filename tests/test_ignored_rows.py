@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.accumulate import DirectSum, SplitSum
-from linear_ce.gemm import Gemm
+from linear_ce.engine.accumulate import DirectSum, SplitSum
+from linear_ce.engine.gemm import Gemm
 
 N, FEAT, CLASSES, CHUNK = 24, 6, 11, 4
 OPTIONS = LinearCrossEntropyOptions(batch_chunk_size=CHUNK)

@@ -83,7 +83,7 @@ VARIANTS = {
 # threshold (raised by the warm-up call's frees) happens to place a buffer on the heap.
 _PREAMBLE = """
 import ctypes, gc, os
-import torch, linear_ce, linear_ce.gemm, linear_ce.plan
+import torch, linear_ce, linear_ce.engine.gemm, linear_ce.engine.plan
 M_MMAP_THRESHOLD = -3
 ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 """
@@ -93,10 +93,10 @@ ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 # GEMM backend fails loudly if it is reached anyway.
 _FORCE_UPCAST = """
 os.environ["LINEAR_CE_NATIVE_HALF_GEMM"] = "0"
-linear_ce.plan.native_half_gemm = lambda *args: False
+linear_ce.engine.plan.native_half_gemm = lambda *args: False
 def _native_reached(*args):
     raise AssertionError("forced upcast variant reached the native half GEMM backend")
-linear_ce.gemm.NativeHalf.logits = _native_reached
+linear_ce.engine.gemm.NativeHalf.logits = _native_reached
 """
 
 _SETUP = """

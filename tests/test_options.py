@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.capability import native_half_gemm
-from linear_ce.gemm import BlockUpcast, CudaOutDtype, NativeHalf, SameDtype, Upcast
-from linear_ce.plan import choose_chunk_rows, choose_vocab_blocks, make_plan
+from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, NativeHalf, SameDtype, Upcast
+from linear_ce.engine.plan import choose_chunk_rows, choose_vocab_blocks, make_plan
 
 
 def test_defaults():

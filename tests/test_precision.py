@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import linear_ce
-import linear_ce.gemm
+import linear_ce.engine.gemm
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.accumulate import SplitSum
-from linear_ce.capability import NATIVE_HALF_GEMM_ENV, native_half_gemm
-from linear_ce.gemm import BlockUpcast, NativeHalf, SameDtype
-from linear_ce.plan import make_plan
+from linear_ce.engine.accumulate import SplitSum
+from linear_ce.engine.capability import NATIVE_HALF_GEMM_ENV, native_half_gemm
+from linear_ce.engine.gemm import BlockUpcast, NativeHalf, SameDtype
+from linear_ce.engine.plan import make_plan
 from memory_probe import transient_peak
 
 HALF = (torch.bfloat16, torch.float16)
@@ -79,7 +79,7 @@ def test_gradients_within_twice_plain_at_any_number_of_chunks(dtype, path, chunk
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_split_sum_stays_at_the_rounded_exact_sum(dtype, monkeypatch):
     # Small vocabulary blocks, so one add spans several blocks and a ragged last one.
-    monkeypatch.setattr(linear_ce.gemm, "VOCAB_BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(linear_ce.engine.gemm, "VOCAB_BLOCK_ELEMENTS", 64)
     classes, positions, features, adds = 30, 2, 7, 1000
     gen = torch.Generator().manual_seed(3)
     acc = SplitSum((classes, positions, features), dtype, SameDtype(torch.float32), CPU)

@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.gemm import NativeHalf
-from linear_ce.plan import make_plan
+from linear_ce.engine.gemm import NativeHalf
+from linear_ce.engine.plan import make_plan
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 HALF = (torch.bfloat16, torch.float16)

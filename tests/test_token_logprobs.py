@@ -450,7 +450,7 @@ def test_many_row_groups_and_class_blocks(monkeypatch, dtype, kw):
     default plan run forward in 19 chunks and backward's vocabulary pass in row groups
     and class blocks; tiny cache pieces make every blocked loop take many steps. Every
     output and gradient stays within the usual bound of float64."""
-    monkeypatch.setattr("linear_ce.chunked.EXP_BLOCK_ELEMENTS", 1024)
+    monkeypatch.setattr("linear_ce.engine.chunk_loop.EXP_BLOCK_ELEMENTS", 1024)
     monkeypatch.setattr("linear_ce.losses.token_logprob._PIECE_ELEMENTS", 1024)
     leaves, t, ups = _many_rows(21, 2400, 8, 700, dtype)
     got, plain = _errors_against_float64(leaves, t, ups, kw)

@@ -17,8 +17,8 @@ import linear_ce
 import linear_ce.objectives as obj
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.accumulate import DirectSum, SplitSum
-from linear_ce.gemm import Gemm
+from linear_ce.engine.accumulate import DirectSum, SplitSum
+from linear_ce.engine.gemm import Gemm
 
 B, T, FEAT, V = 3, 11, 8, 29
 CHUNK = LinearCrossEntropyOptions(batch_chunk_size=4)

@@ -12,7 +12,7 @@ from linear_ce.divergence import linear_divergence
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
-from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.outputs import LinearCrossEntropyOutput
 from linear_ce.token_logprobs import (
     TokenLogprobs,
     token_logprobs,

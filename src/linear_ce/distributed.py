@@ -5,7 +5,7 @@ rank :math:`r` of a process group holds rows
 :math:`[\mathrm{start}_r, \mathrm{start}_r + V_r)` of :math:`W` (and of the
 bias), while every rank holds the same hidden states, targets, class weights
 and token weights. Each rank runs the ordinary chunk loop
-(:mod:`linear_ce.chunked`) on its shard; per chunk of rows and output position
+(:mod:`linear_ce.engine.chunk_loop`) on its shard; per chunk of rows and output position
 the row statistics are combined with two collectives,
 
 .. math::
@@ -37,7 +37,7 @@ the same chunks):
 
 :func:`vocab_parallel_token_logprobs` and :func:`vocab_parallel_token_objective` do the same
 for the per-token heads. DTensor arguments of the public functions reach these functions
-through :mod:`linear_ce.dtensor`.
+through :mod:`linear_ce.parallel.dtensor`.
 
 Only ``torch.distributed`` collectives are used, so any backend that
 implements all_reduce (MAX, SUM) and all_gather works: gloo for CPU tensors,
@@ -53,21 +53,21 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_call, check_token_call, check_top1_rule, with_scales
-from linear_ce.chunked import run_chunks, tiles_for
+from linear_ce.checks.call import Call, check_call, check_token_call, check_top1_rule, with_scales
 from linear_ce.divergence import DivergenceCall, check_divergence_call
+from linear_ce.engine.chunk_loop import run_chunks, tiles_for
+from linear_ce.engine.plan import Plan, acc_dtype_for, make_plan
+from linear_ce.engine.transform import check_scales
+from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.functional import reported_dtype
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
-from linear_ce.ops import _check_targets, hand_over_gradients
-from linear_ce.ops_divergence import run_divergence, scalar_row_weight
+from linear_ce.ops.cross_entropy import _check_targets, hand_over_gradients
+from linear_ce.ops.divergence import run_divergence, scalar_row_weight
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.output import LinearCrossEntropyOutput
-from linear_ce.plan import Plan, acc_dtype_for, make_plan
+from linear_ce.outputs import LinearCrossEntropyOutput
 from linear_ce.token_logprobs import TokenLogprobs
 from linear_ce.token_objective import objective_loss
-from linear_ce.transform import check_scales
-from linear_ce.vocab_pass import vocab_pass_gradients
 
 __all__ = [
     "VocabShard",
@@ -84,7 +84,7 @@ _NAME = "vocab_parallel_linear_cross_entropy"
 class VocabShard:
     """Classes ``[start, start + V_local)`` of ``total`` classes split over ``group``.
 
-    The vocab object of :func:`linear_ce.chunked.run_chunks`: row statistics
+    The vocab object of :func:`linear_ce.engine.chunk_loop.run_chunks`: row statistics
     are combined over the group by ``all_reduce``, in place.
     """
 

@@ -7,12 +7,12 @@ import math
 
 import torch
 
-from linear_ce.arguments import Call, check_softcap, check_token_call
-from linear_ce.dtensor import accepts_dtensors
-from linear_ce.ops_divergence import divergence
+from linear_ce.checks.call import Call, check_softcap, check_token_call
+from linear_ce.engine.plan import acc_dtype_for
+from linear_ce.engine.transform import LogitTransform, check_scales
+from linear_ce.ops.divergence import divergence
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.plan import acc_dtype_for
-from linear_ce.transform import LogitTransform, check_scales
+from linear_ce.parallel.dtensor import accepts_dtensors
 
 __all__ = ["DivergenceCall", "check_divergence_call", "check_teacher", "linear_divergence"]
 
@@ -93,7 +93,7 @@ def check_teacher(
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceCall:
-    """A checked distillation call: the student's :class:`~linear_ce.arguments.Call`
+    """A checked distillation call: the student's :class:`~linear_ce.checks.call.Call`
     (rows, target, transform), the teacher's ``(input, weight, bias)`` in rows and its
     transform, and the scalar options."""
 

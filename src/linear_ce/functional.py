@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from linear_ce.arguments import check_call, with_scales
-from linear_ce.dtensor import accepts_dtensors
-from linear_ce.ops import chunked_rows, chunked_scalar
+from linear_ce.checks.call import check_call, with_scales
+from linear_ce.engine.plan import acc_dtype_for
+from linear_ce.engine.transform import check_scales
+from linear_ce.ops.cross_entropy import chunked_rows, chunked_scalar
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.output import LinearCrossEntropyOutput
-from linear_ce.plan import acc_dtype_for
+from linear_ce.outputs import LinearCrossEntropyOutput
+from linear_ce.parallel.dtensor import accepts_dtensors
 from linear_ce.rows import mean_denominator
-from linear_ce.transform import check_scales
 
 __all__ = ["linear_cross_entropy", "reported_dtype"]
 

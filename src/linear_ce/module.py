@@ -9,7 +9,7 @@ from torch import nn
 
 from linear_ce.functional import linear_cross_entropy
 from linear_ce.options import LinearCrossEntropyOptions
-from linear_ce.output import LinearCrossEntropyOutput
+from linear_ce.outputs import LinearCrossEntropyOutput
 
 __all__ = ["LinearCrossEntropyLoss"]
 

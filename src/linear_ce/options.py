@@ -74,7 +74,7 @@ class LinearCrossEntropyOptions:
               vocabulary block at a time (no fp32 copy of it). On a CPU the
               weight gradient is summed in fp32 held in the half result plus a
               low-order plane (``V·F`` more bytes;
-              see :mod:`linear_ce.accumulate`); on CUDA in an fp32 buffer.
+              see :mod:`linear_ce.engine.accumulate`); on CUDA in an fp32 buffer.
               Its error does not grow with the number of chunks.
             - ``"compact"``: no weight-gradient buffer: each chunk's weight
               gradient is added straight into the half result. Least memory,

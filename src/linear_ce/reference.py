@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linear_ce.arguments import check_call
-from linear_ce.output import LinearCrossEntropyOutput
-from linear_ce.transform import LogitTransform, check_scales
+from linear_ce.checks.call import check_call
+from linear_ce.engine.transform import LogitTransform, check_scales
+from linear_ce.outputs import LinearCrossEntropyOutput
 
 __all__ = ["linear_cross_entropy"]
 

@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from linear_ce.arguments import Call
+from linear_ce.checks.call import Call
 
 __all__ = ["RowTerms", "mean_denominator", "row_terms", "row_weights"]
 

@@ -7,11 +7,11 @@ from typing import NamedTuple
 
 import torch
 
-from linear_ce.arguments import check_token_call, check_top1_rule
-from linear_ce.dtensor import accepts_dtensors
+from linear_ce.checks.call import check_token_call, check_top1_rule
 from linear_ce.losses.token_logprob import TokenOutputs
-from linear_ce.ops_token import token_rows
+from linear_ce.ops.token_logprobs import token_rows
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.parallel.dtensor import accepts_dtensors
 
 __all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_and_stats", "token_logprobs_vjp"]
 

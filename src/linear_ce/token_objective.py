@@ -8,14 +8,14 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from linear_ce.arguments import Call, check_token_call
-from linear_ce.chunked import run_chunks, tiles_for
-from linear_ce.dtensor import accepts_dtensors
+from linear_ce.checks.call import Call, check_token_call
+from linear_ce.engine.chunk_loop import run_chunks, tiles_for
+from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.engine.vocab import LocalVocab
 from linear_ce.losses.token_objective import ObjectiveHead
-from linear_ce.ops import check_class_indices, hand_over_gradients
+from linear_ce.ops.cross_entropy import check_class_indices, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.vocab import LocalVocab
+from linear_ce.parallel.dtensor import accepts_dtensors
 
 __all__ = ["objective_loss", "token_objective"]
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from linear_ce.bench.config import HEADS, Point
-from linear_ce.capability import native_half_gemm
+from linear_ce.engine.capability import native_half_gemm
 
 __all__ = [
     "DEFAULT",

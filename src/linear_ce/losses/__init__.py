@@ -1,1 +1,1 @@
-"""Loss plug-ins ("heads") of the chunk loop; the protocol is :mod:`linear_ce.losses.base`."""
+"""Loss plug-ins ("heads") of the chunk loop; the protocol is :mod:`linear_ce.engine.head`."""

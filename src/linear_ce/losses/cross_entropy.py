@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from linear_ce.arguments import Call
-from linear_ce.chunked import Gradients, run_chunks
-from linear_ce.losses.base import RowStats
-from linear_ce.plan import Plan
-from linear_ce.row_chunks import RowChunk
+from linear_ce.checks.call import Call
+from linear_ce.engine.chunk_loop import Gradients, run_chunks
+from linear_ce.engine.head import RowStats
+from linear_ce.engine.plan import Plan
+from linear_ce.engine.row_chunks import RowChunk
+from linear_ce.engine.vocab import LocalVocab
 from linear_ce.rows import RowTerms, row_terms
-from linear_ce.vocab import LocalVocab
 
 __all__ = ["CrossEntropyHead", "run_cross_entropy"]
 
@@ -110,7 +110,7 @@ def run_cross_entropy(
     """The chunk loop on ``call`` with the cross-entropy head: its row coefficients, the
     head (``row_loss``, ``lse``) and the gradients asked for by ``needs`` (input, weight,
     bias). ``grad_output``, ``vocab`` and ``num_classes`` as in
-    :func:`~linear_ce.rows.row_terms` and :func:`~linear_ce.chunked.run_chunks`."""
+    :func:`~linear_ce.rows.row_terms` and :func:`~linear_ce.engine.chunk_loop.run_chunks`."""
     vocab = vocab or LocalVocab()
     terms = row_terms(call, plan.acc_dtype, grad_output=grad_output, num_classes=num_classes)
     head = CrossEntropyHead(call, terms, vocab.start, call.linear_weight.shape[0])

@@ -35,8 +35,8 @@ import math
 
 import torch
 
-from linear_ce.losses.base import RowStats
-from linear_ce.row_chunks import RowChunk
+from linear_ce.engine.head import RowStats
+from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["DivergenceHead"]
 

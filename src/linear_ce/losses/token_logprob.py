@@ -41,8 +41,8 @@ import dataclasses
 
 import torch
 
-from linear_ce.losses.base import RowStats
-from linear_ce.row_chunks import RowChunk
+from linear_ce.engine.head import RowStats
+from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["TOP1_RULES", "TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
 
@@ -256,7 +256,7 @@ class TokenLogprobHead:
 
 class TokenLogprobGradient:
     r"""The gradient of :class:`TokenLogprobHead`'s ``logprob`` and ``entropy`` from the
-    forward's row statistics, for the vocabulary pass (:mod:`linear_ce.vocab_pass`).
+    forward's row statistics, for the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`).
 
     With the forward's ``row_stats`` ``(N, P, 3)`` (:attr:`TokenLogprobHead.row_stats`:
     the row max :math:`m`, :math:`\log Z` and :math:`\mu`), upstream gradients

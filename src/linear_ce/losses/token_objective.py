@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from linear_ce.losses.base import RowStats
+from linear_ce.engine.head import RowStats
+from linear_ce.engine.row_chunks import RowChunk
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
-from linear_ce.row_chunks import RowChunk
 
 __all__ = ["ObjectiveHead"]
 

@@ -2,7 +2,7 @@
 
 The chunk loop calls ``logits`` and ``add_grad_input`` with operands already
 converted by ``operand``/``weight_operand``; the weight-gradient sum
-(:mod:`linear_ce.accumulate`) calls ``add_product`` and ``product_into``. A backend decides the
+(:mod:`linear_ce.engine.accumulate`) calls ``add_product`` and ``product_into``. A backend decides the
 operand dtype and how a mixed-precision product is formed:
 
 - ``SameDtype``: operands and results share one dtype (fp32/fp64 inputs, or
@@ -17,7 +17,7 @@ operand dtype and how a mixed-precision product is formed:
   ``torch.mm(..., out_dtype=torch.float32)``; the softmax is rounded to the
   half dtype before the gradient GEMMs.
 - ``NativeHalf``: CPUs with native half GEMMs (AVX512-BF16/AMX, see
-  :mod:`linear_ce.capability`), where CPU torch has no ``out_dtype``: half
+  :mod:`linear_ce.engine.capability`), where CPU torch has no ``out_dtype``: half
   operands and half results (each accumulated in fp32 inside the GEMM, then
   rounded once), copied into the fp32 buffers. No fp32 copy of the weight.
 """

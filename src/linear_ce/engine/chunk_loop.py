@@ -1,9 +1,9 @@
-"""The loop over chunks of valid rows: pure math on a :class:`~linear_ce.plan.Plan`.
+"""The loop over chunks of valid rows: pure math on a :class:`~linear_ce.engine.plan.Plan`.
 
-Per chunk of ``B`` rows that carry an output (:mod:`linear_ce.row_chunks`:
+Per chunk of ``B`` rows that carry an output (:mod:`linear_ce.engine.row_chunks`:
 ignored rows are never in a chunk) and each output position: the logits GEMM
-``x Wᵀ + b``, the logits transform (:mod:`linear_ce.transform`), the row max,
-``u = s − max``, the row sums of the head (:mod:`linear_ce.losses.base`) and
+``x Wᵀ + b``, the logits transform (:mod:`linear_ce.engine.transform`), the row max,
+``u = s − max``, the row sums of the head (:mod:`linear_ce.engine.head`) and
 of ``eᵘ``, one combination of the row statistics over vocabulary shards, the
 head's per-row outputs, then — only if gradients are wanted — the head turns
 a tile into ``∂L/∂s`` and the two gradient GEMMs consume it. Nothing here
@@ -38,13 +38,13 @@ import math
 
 import torch
 
-from linear_ce.accumulate import weight_grad_sum
-from linear_ce.gemm import Gemm
-from linear_ce.losses.base import Head, RowStats
-from linear_ce.plan import Plan
-from linear_ce.row_chunks import RowChunk, chunk_size, row_chunks, rows_of
-from linear_ce.transform import LogitTransform
-from linear_ce.vocab import LocalVocab
+from linear_ce.engine.accumulate import weight_grad_sum
+from linear_ce.engine.gemm import Gemm
+from linear_ce.engine.head import Head, RowStats
+from linear_ce.engine.plan import Plan
+from linear_ce.engine.row_chunks import RowChunk, chunk_size, row_chunks, rows_of
+from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.vocab import LocalVocab
 
 __all__ = [
     "Companion",

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from linear_ce.capability import native_half_gemm
-from linear_ce.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
+from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
@@ -54,7 +54,7 @@ HALF_CPU_BUDGET_SHARE = 0.5
 #: instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on steps
 #: of this many rows.
 HALF_TILE_STEP_ROWS = 64
-#: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.vocab_pass`) before its
+#: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before its
 #: rows are split into groups: the block's three GEMMs have ``C`` as a dimension (and the
 #: input gradient's as its inner one), and stay within ~10% of their large-block rate from
 #: 512 classes on (2-core Zen 4, N=2048, D=1024).
@@ -82,17 +82,17 @@ class Plan:
             its logits and gradient in the half dtype (a *half tile*); otherwise
             ``rows_per_chunk``.
         classes_per_block: classes of each vocabulary block of the vocabulary pass
-            (:mod:`linear_ce.vocab_pass`); the whole vocabulary in the chunk loop.
+            (:mod:`linear_ce.engine.vocab_pass`); the whole vocabulary in the chunk loop.
         input_dtype: dtype of input, weight and the returned gradients.
         acc_dtype: dtype of the ``(chunk, V)`` logits/softmax buffer, the row
             statistics, the loss and the grad-input accumulator.
         weight_grad_dtype: the precision the ``(V, F)`` weight gradient is
             summed over chunks in.
-        weight_grad: how that sum is held (see :mod:`linear_ce.accumulate`):
+        weight_grad: how that sum is held (see :mod:`linear_ce.engine.accumulate`):
             ``"direct"`` in the result itself, ``"wide"`` in a separate
             ``weight_grad_dtype`` buffer, ``"split"`` as fp32 spread over the
             half result and a low-order plane.
-        gemm: how the three GEMMs are issued (see :mod:`linear_ce.gemm`).
+        gemm: how the three GEMMs are issued (see :mod:`linear_ce.engine.gemm`).
         policy: the resolved ``acc_policy``.
         exp2: form :math:`e^u` as :math:`2^{u \\log_2 e}` in the chunk loop: half inputs
             with fp32 math on a CPU, where torch's ``exp2`` runs ~3.5× faster than its
@@ -114,7 +114,7 @@ class Plan:
 
 
 def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
-    """Whether :class:`~linear_ce.accumulate.SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
+    """Whether :class:`~linear_ce.engine.accumulate.SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
     half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
     return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
 
@@ -132,7 +132,7 @@ def choose_chunk_rows(
     """Rows per chunk, by the documented rule of ``options.chunking_method``.
 
     ``"budget[:N]"`` (what ``"auto"`` means): the ``tiles`` ``(chunk, V)`` scratch
-    buffers of the chunk loop (:func:`linear_ce.chunked.tiles_for`) may take ``share / N``
+    buffers of the chunk loop (:func:`linear_ce.engine.chunk_loop.tiles_for`) may take ``share / N``
     (default ``BUDGET_SHARE``) of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
@@ -249,10 +249,10 @@ def make_plan(
 
     ``acc_policy="auto"`` is ``"balanced"`` for half inputs with fp32
     accumulation on a CPU: native half GEMMs where the CPU has them
-    (:func:`~linear_ce.capability.native_half_gemm`), else fp32 GEMMs on the
+    (:func:`~linear_ce.engine.capability.native_half_gemm`), else fp32 GEMMs on the
     weight upcast a vocabulary block at a time; the weight gradient summed in
     fp32 held as the half result plus a low-order plane
-    (:mod:`linear_ce.accumulate`). That keeps the gradients' error independent
+    (:mod:`linear_ce.engine.accumulate`). That keeps the gradients' error independent
     of the number of chunks within 2.5× the gradients' bytes, where an fp32
     ``(V, F)`` accumulator alone takes 1.9× of them once ``V ≫ N``. Where the
     chunks, planned without that plane (its bytes go to the chunks), number at most
@@ -264,7 +264,7 @@ def make_plan(
     :func:`choose_chunk_rows`); ``None``: ``HALF_CPU_BUDGET_SHARE`` for half inputs on a
     CPU without native half GEMMs (``BlockUpcast``), else ``BUDGET_SHARE``.
 
-    ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.vocab_pass`) with
+    ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
     :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``; ``gathered``: some row is
     ignored, so a group's rows may be gathered into buffers of their own (budgeted).

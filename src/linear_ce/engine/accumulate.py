@@ -2,7 +2,7 @@ r"""The weight gradient's running sum over chunks, :math:`\sum_k G_k^\top X_k`.
 
 The chunk loop creates one with :func:`weight_grad_sum`, calls
 ``add(position, grad_logits, x)`` once per chunk and output position (operands
-as the plan's :class:`~linear_ce.gemm.Gemm` converted them), and ``finish()``
+as the plan's :class:`~linear_ce.engine.gemm.Gemm` converted them), and ``finish()``
 once, which returns the ``(V, P, F)`` gradient in the input dtype. How the sum
 is held is the plan's ``weight_grad``:
 
@@ -11,7 +11,7 @@ is held is the plan's ``weight_grad``:
   Exact for fp32/fp64 inputs; for half inputs one rounding to the half dtype per
   chunk, so the error grows with the number of chunks: ``acc_policy="compact"``,
   and ``"balanced"`` over at most ``DIRECT_SUM_MAX_CHUNKS`` chunks (see
-  :mod:`linear_ce.plan`).
+  :mod:`linear_ce.engine.plan`).
 - ``"wide"``: a separate ``acc_dtype`` ``(V, P, F)`` buffer, converted at the end.
 - ``"split"``: the fp32 sum, held in the result's own storage plus a low-order
   plane: fp32's top 16 bits live in the result tensor, the next 8 bits in a
@@ -30,7 +30,7 @@ is held is the plan's ``weight_grad``:
 
 Example::
 
-    >>> from linear_ce.gemm import SameDtype
+    >>> from linear_ce.engine.gemm import SameDtype
     >>> acc = SplitSum((10, 1, 8), torch.bfloat16, SameDtype(torch.float32), "cpu")
     >>> g, x = torch.randn(4, 10), torch.randn(4, 8)
     >>> acc.add(0, g, x)
@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from linear_ce.gemm import Gemm, vocab_blocks
+from linear_ce.engine.gemm import Gemm, vocab_blocks
 
 if TYPE_CHECKING:
-    from linear_ce.plan import Plan
+    from linear_ce.engine.plan import Plan
 
 __all__ = [
     "CACHE_BLOCK_ELEMENTS",

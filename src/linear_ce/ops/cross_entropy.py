@@ -9,7 +9,7 @@ Two ops, because their autograd differs:
   per-row loss; backward reruns the loop with the upstream gradient folded
   into the row scale (one extra logits GEMM per chunk, no ``(N, V)`` state).
 
-Both take the flattened call of :class:`linear_ce.arguments.Call` and return
+Both take the flattened call of :class:`linear_ce.checks.call.Call` and return
 ``(loss, z_loss, lse, ...)`` in the accumulation dtype (the public function
 rounds the loss to the dtype it reports); ``z_loss`` and ``lse`` are for
 logging and get no gradient.
@@ -24,12 +24,12 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from linear_ce.arguments import Call
-from linear_ce.chunked import Gradients, tiles_for
+from linear_ce.checks.call import Call
+from linear_ce.engine.chunk_loop import Gradients, tiles_for
+from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.engine.transform import LogitTransform
 from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.options import LinearCrossEntropyOptions
-from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.transform import LogitTransform
 
 __all__ = ["chunked_rows", "chunked_scalar", "hand_over_gradients"]
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from linear_ce.arguments import DEFAULT_IGNORE_INDEX, shifted_target
+from linear_ce.checks.call import DEFAULT_IGNORE_INDEX, shifted_target
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -19,18 +19,18 @@ from collections.abc import Sequence
 
 import torch
 
-from linear_ce.chunked import Companion, Gradients, run_chunks, tiles_for
+from linear_ce.engine.chunk_loop import Companion, Gradients, run_chunks, tiles_for
+from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.vocab import LocalVocab
 from linear_ce.losses.divergence import DivergenceHead
-from linear_ce.ops import (
+from linear_ce.ops.cross_entropy import (
     _gradient_outputs,
     _options,
     _vmap_by_loop,
     check_class_indices,
     hand_over_gradients,
 )
-from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.transform import LogitTransform
-from linear_ce.vocab import LocalVocab
 
 __all__ = ["DIVERGENCE_SHARE", "divergence", "run_divergence", "scalar_row_weight"]
 

@@ -17,8 +17,8 @@ from typing import NoReturn
 
 import torch
 
+from linear_ce.engine.transform import LogitTransform, check_scales
 from linear_ce.losses.token_logprob import TOP1_RULES
-from linear_ce.transform import LogitTransform, check_scales
 
 __all__ = [
     "Call",
@@ -63,7 +63,7 @@ class Call:
     ``target`` ``(N, P)`` class indices or ``(N, C, P)`` probabilities,
     ``token_weight`` ``(N, P)``. ``loss_shape`` is the shape of the
     ``reduction="none"`` result. ``logit_scale`` and ``temperature`` (checked by
-    :func:`linear_ce.transform.check_scales`) complete the logits transform.
+    :func:`linear_ce.engine.transform.check_scales`) complete the logits transform.
     """
 
     input: torch.Tensor
@@ -85,7 +85,7 @@ class Call:
 
     @property
     def transform(self) -> LogitTransform:
-        """The logits transform of this call (:mod:`linear_ce.transform`)."""
+        """The logits transform of this call (:mod:`linear_ce.engine.transform`)."""
         return LogitTransform(self.logit_scale, self.softcap, self.temperature)
 
 

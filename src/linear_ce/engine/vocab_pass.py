@@ -5,7 +5,7 @@ gradient needs, such as the entropy), the gradient of a logit depends on that lo
 its row's statistics alone: no row reduction, no collective over vocabulary shards. This
 pass therefore walks the vocabulary in blocks of ``C`` classes and takes every valid row
 of a block at once (or large groups of rows, see
-:func:`linear_ce.plan.choose_vocab_blocks`). Per block ``b`` and group of rows ``X``:
+:func:`linear_ce.engine.plan.choose_vocab_blocks`). Per block ``b`` and group of rows ``X``:
 
 .. math::
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from linear_ce.chunked import Gradients, add_grad_input_rows, tiles_for
-from linear_ce.losses.base import KnownStatsHead
+from linear_ce.engine.chunk_loop import Gradients, add_grad_input_rows, tiles_for
+from linear_ce.engine.head import KnownStatsHead
+from linear_ce.engine.plan import Plan, make_plan
+from linear_ce.engine.row_chunks import chunk_size, row_chunks, rows_of
+from linear_ce.engine.transform import LogitTransform
 from linear_ce.options import LinearCrossEntropyOptions
-from linear_ce.plan import Plan, make_plan
-from linear_ce.row_chunks import chunk_size, row_chunks, rows_of
-from linear_ce.transform import LogitTransform
 
 __all__ = ["run_vocab_pass", "vocab_pass_gradients"]
 
@@ -44,7 +44,7 @@ def vocab_pass_gradients(
     options: LinearCrossEntropyOptions,
     needs: tuple[bool, bool, bool],
 ) -> Gradients:
-    """:func:`run_vocab_pass` on its own plan (:func:`linear_ce.plan.make_plan` with
+    """:func:`run_vocab_pass` on its own plan (:func:`linear_ce.engine.plan.make_plan` with
     ``vocab_pass=True``), for the gradients ``needs`` asks for (input, weight, bias)."""
     rows, in_features = input.shape
     plan = make_plan(

@@ -1,6 +1,6 @@
 r"""What a loss plug-in ("head") of the chunk loop provides.
 
-The loop (:mod:`linear_ce.chunked`) owns the GEMMs, the logits transform,
+The loop (:mod:`linear_ce.engine.chunk_loop`) owns the GEMMs, the logits transform,
 the row maximum and the row sum of :math:`e^{u}` with :math:`u = s - \max_j s`.
 Per chunk it calls, in this order:
 
@@ -20,7 +20,7 @@ Per chunk it calls, in this order:
    ``factor`` (the constant of the logits transform) and returns it.
 
 A head run with a companion projection (a teacher's head,
-:class:`linear_ce.chunked.Companion`) also gets ``companion_tile(t, rows, p)``
+:class:`linear_ce.engine.chunk_loop.Companion`) also gets ``companion_tile(t, rows, p)``
 first: the companion's transformed logits minus their row max, a tile it may
 overwrite. A head never issues a GEMM, never allocates anything that grows with
 ``N·V``, and never knows the device or the vocabulary sharding beyond its
@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from linear_ce.row_chunks import RowChunk
+from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["Head", "KnownStatsHead", "RowStats"]
 
@@ -91,7 +91,7 @@ class Head(Protocol):
 
 
 class KnownStatsHead(Protocol):
-    """A head of the vocabulary pass (:mod:`linear_ce.vocab_pass`): its row statistics
+    """A head of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`): its row statistics
     (the log-normaliser and what else its gradient needs) came from a forward, so each
     logit's gradient is a function of that logit and its row alone."""
 

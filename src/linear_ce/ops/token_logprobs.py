@@ -5,7 +5,7 @@ Forward runs the chunk loop with :class:`~linear_ce.losses.token_logprob.TokenLo
 and no gradient GEMM, and also returns each row's log-normaliser. The upstream gradients
 of ``logprob`` and ``entropy`` are known only in backward: it takes the forward's
 log-normaliser and entropy and runs the vocabulary pass
-(:mod:`linear_ce.vocab_pass`: one more logits GEMM, no row reduction, no ``(N, V)``
+(:mod:`linear_ce.engine.vocab_pass`: one more logits GEMM, no row reduction, no ``(N, V)``
 state). Called with upstream gradients but without those statistics (as
 :func:`linear_ce.token_logprobs.token_logprobs_vjp` is), it reruns the chunk loop with
 them instead. An upstream gradient that does not flow (an output nobody differentiated)
@@ -20,18 +20,18 @@ from collections.abc import Sequence
 
 import torch
 
-from linear_ce.chunked import Gradients, run_chunks, tiles_for
+from linear_ce.engine.chunk_loop import Gradients, run_chunks, tiles_for
+from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
-from linear_ce.ops import (
+from linear_ce.ops.cross_entropy import (
     _gradient_outputs,
     _options,
     _vmap_by_loop,
     check_class_indices,
     recomputed_gradients,
 )
-from linear_ce.plan import acc_dtype_for, make_plan
-from linear_ce.transform import LogitTransform
-from linear_ce.vocab_pass import vocab_pass_gradients
 
 __all__ = ["token_rows"]
 

@@ -1,0 +1,1 @@
+"""Argument checking and shape normalisation shared by every entry point."""
