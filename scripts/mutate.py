@@ -125,7 +125,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "mean denominator includes the token weights",
-        "src/linear_ce/rows.py",
+        "src/linear_ce/losses/cross_entropy.py",
         (("        total = omega.sum()\n", "        total = (omega * token).sum()\n"),),
         ("tests/test_combinations.py", "-k", "chunked and mean"),
     ),
@@ -156,11 +156,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/linear_ce/ops/cross_entropy.py",
         (
             (
-                "    rows, in_features = call.input.shape\n    return make_plan(",
+                "    rows, in_features = call.input.shape\n    plan = make_plan(",
                 "    rows, in_features = call.input.shape\n"
                 '    if call.reduction == "none":\n'
                 "        options = LinearCrossEntropyOptions(chunking_method=None)\n"
-                "    return make_plan(",
+                "    plan = make_plan(",
             ),
         ),
         ("tests/test_memory_bounds.py", "-k", "none"),

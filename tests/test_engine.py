@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import linear_ce
-import linear_ce.losses.cross_entropy
+import linear_ce.engine.chunk_loop
 import linear_ce.ops
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
@@ -502,13 +502,13 @@ def test_vmap_over_leading_dimension(reduction):
 def chunk_calls(monkeypatch):
     """The gradient flags of every ``run_chunks`` call the ops make."""
     calls = []
-    original = linear_ce.losses.cross_entropy.run_chunks
+    original = linear_ce.engine.chunk_loop.run_chunks
 
     def recording(*args, **kwargs):
         calls.append((kwargs["grad_input"], kwargs["grad_weight"], kwargs["grad_bias"]))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(linear_ce.losses.cross_entropy, "run_chunks", recording)
+    monkeypatch.setattr(linear_ce.engine.chunk_loop, "run_chunks", recording)
     return calls
 
 

@@ -1,187 +1,26 @@
-"""The public function ``linear_divergence``: logit distillation between two LM heads."""
+"""The distillation family's public functions: ``linear_divergence``, logit distillation
+between two LM heads, and its vocab-parallel front (documented under
+:mod:`linear_ce.distributed`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
+import torch.distributed as dist
 
-from linear_ce.checks.call import Call, check_softcap, check_token_call
-from linear_ce.engine.plan import acc_dtype_for
-from linear_ce.engine.transform import LogitTransform, check_scales
-from linear_ce.ops.divergence import divergence
+from linear_ce.checks.divergence import DivergenceCall, check_divergence_call
+from linear_ce.engine.chunk_loop import Needs
+from linear_ce.ops.divergence import SCHEMA, DivergenceArguments, divergence, divergence_on_shard
+from linear_ce.ops.schema import PlanOptions
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import vocab_shard
 
-__all__ = ["DivergenceCall", "check_divergence_call", "check_teacher", "linear_divergence"]
+__all__ = ["linear_divergence", "vocab_parallel_linear_divergence"]
 
 _NAME = "linear_divergence"
 
 
-def check_teacher(
-    call: Call,
-    teacher_input: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    teacher_bias: torch.Tensor | None,
-    batch: tuple[int, ...],
-    name: str = _NAME,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The teacher's tensors, checked against the student's ``call`` and reshaped to rows:
-    ``(N, F_t)``, ``(V, 1, F_t)``, ``(V, 1)``; detached (the teacher gets no gradient)."""
-
-    def fail(message: str):
-        raise ValueError(f"{name}: {message}")
-
-    for label, value in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
-        if not isinstance(value, torch.Tensor):
-            fail(f"{label} must be a Tensor, got {type(value).__name__}")
-    if teacher_bias is not None and not isinstance(teacher_bias, torch.Tensor):
-        fail(f"teacher_bias must be a Tensor or None, got {type(teacher_bias).__name__}")
-    if teacher_weight.dim() != 2:
-        fail(
-            f"teacher_weight must have shape (V, teacher_features), got {tuple(teacher_weight.shape)}"
-        )
-    classes, features = teacher_weight.shape
-    student_classes = call.weight_shape[0]
-    if classes != student_classes:
-        fail(
-            f"student and teacher must share the vocabulary (the same shard of it when "
-            f"vocab-parallel): student_weight has {student_classes} classes, teacher_weight "
-            f"{classes}"
-        )
-    if tuple(teacher_input.shape) != (*batch, features):
-        fail(
-            f"teacher_input must have shape {(*batch, features)} (the student input's batch "
-            f"shape, then teacher_weight's {features} features), got {tuple(teacher_input.shape)}"
-        )
-    if not teacher_input.is_floating_point() or teacher_input.dtype != teacher_weight.dtype:
-        fail(
-            f"teacher_input and teacher_weight must be floating tensors of one dtype, got "
-            f"{teacher_input.dtype} and {teacher_weight.dtype}"
-        )
-    if teacher_bias is not None:
-        if tuple(teacher_bias.shape) != (classes,):
-            fail(f"teacher_bias must have shape ({classes},), got {tuple(teacher_bias.shape)}")
-        if teacher_bias.dtype != teacher_weight.dtype:
-            fail(
-                f"teacher_bias dtype {teacher_bias.dtype} differs from teacher_weight's "
-                f"{teacher_weight.dtype}"
-            )
-    device = call.input.device
-    for label, value in (
-        ("teacher_input", teacher_input),
-        ("teacher_weight", teacher_weight),
-        ("teacher_bias", teacher_bias),
-    ):
-        if value is not None and value.device != device:
-            fail(f"{label} is on {value.device}, the student's input on {device}")
-    student_acc = acc_dtype_for(call.input.dtype, None)
-    teacher_acc = acc_dtype_for(teacher_input.dtype, None)
-    if student_acc != teacher_acc:
-        fail(
-            f"the teacher's dtype {teacher_input.dtype} computes in {teacher_acc}, the "
-            f"student's {call.input.dtype} in {student_acc}; cast the teacher to the student's dtype"
-        )
-    rows = call.input.shape[0]
-    return (
-        teacher_input.detach().reshape(rows, features),
-        teacher_weight.detach().reshape(classes, 1, features),
-        None if teacher_bias is None else teacher_bias.detach().reshape(classes, 1),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class DivergenceCall:
-    """A checked distillation call: the student's :class:`~linear_ce.checks.call.Call`
-    (rows, target, transform), the teacher's ``(input, weight, bias)`` in rows and its
-    transform, and the scalar options."""
-
-    call: Call
-    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-    teacher_transform: LogitTransform
-    beta: float
-    hard_weight: float
-    reduction: str
-
-
-def check_divergence_call(
-    name: str,
-    student_input: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_input: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    target: torch.Tensor | None,
-    *,
-    student_bias: torch.Tensor | None,
-    teacher_bias: torch.Tensor | None,
-    beta: float,
-    temperature: float,
-    student_logit_scale: float,
-    teacher_logit_scale: float,
-    student_softcap: float | None,
-    teacher_softcap: float | None,
-    ignore_index: int,
-    shift: bool | int,
-    reduction: str,
-    hard_weight: float,
-    return_entropy: bool = False,
-    num_classes: int | None = None,
-) -> DivergenceCall:
-    """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
-    vocabulary when the heads are vocab-parallel shards."""
-
-    def fail(message: str):
-        raise ValueError(f"{name}: {message}")
-
-    def real(label: str, value: object, low: float, high: float) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
-        if not low <= value <= high or math.isnan(value):
-            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
-        return float(value)
-
-    if not isinstance(student_input, torch.Tensor):
-        fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
-    beta = real("beta", beta, 0.0, 1.0)
-    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
-    if math.isinf(hard_weight):
-        fail("hard_weight must be finite")
-    if reduction not in ("mean", "sum", "none"):
-        fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
-    if hard_weight > 0.0 and target is None:
-        fail("hard_weight > 0 needs target (the hard labels)")
-    if not isinstance(return_entropy, bool):
-        fail(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_softcap(teacher_softcap)
-    check_scales(name, teacher_logit_scale, temperature)
-    batch = tuple(student_input.shape[:-1])
-    if target is None:
-        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
-    call = check_token_call(
-        name,
-        student_input,
-        student_weight,
-        target,
-        linear_bias=student_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=student_logit_scale,
-        softcap=student_softcap,
-        flags={},
-        num_classes=num_classes,
-    )
-    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
-    teacher_transform = LogitTransform(
-        float(teacher_logit_scale),
-        None if teacher_softcap is None else float(teacher_softcap),
-        float(temperature),
-    )
-    return DivergenceCall(call, teacher, teacher_transform, beta, hard_weight, reduction)
-
-
-def _mean_denominator(arguments: dict, num_classes: int) -> torch.Tensor:
+def _counted_positions(arguments: dict, num_classes: int) -> torch.Tensor:
     """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
     split along rows)."""
     names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
@@ -192,11 +31,129 @@ def _mean_denominator(arguments: dict, num_classes: int) -> torch.Tensor:
     return (checked.call.target != checked.call.ignore_index).sum()
 
 
+def _arguments(
+    checked: DivergenceCall, options: LinearCrossEntropyOptions | None, name: str
+) -> DivergenceArguments:
+    call = checked.call
+    options = resolve_options(options, name)
+    return DivergenceArguments(
+        call.input,
+        call.linear_weight,
+        call.linear_bias,
+        *checked.teacher,
+        call.target,
+        None,
+        call.ignore_index,
+        checked.beta,
+        checked.hard_weight,
+        call.transform,
+        checked.teacher_transform,
+        checked.reduction,
+        checked.return_entropy,
+        PlanOptions.of(options),
+        options.allow_retain_graph,
+        Needs.of(call.input, call.linear_weight, call.linear_bias),
+    )
+
+
+def _result(
+    loss: torch.Tensor, entropy: torch.Tensor, checked: DivergenceCall
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    shape = checked.call.loss_shape
+    if checked.reduction == "none":
+        loss = loss.view(shape)
+    return (loss, entropy.view(shape).detach()) if checked.return_entropy else loss
+
+
+def vocab_parallel_linear_divergence(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    return_entropy: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_ce.linear_divergence` with both heads sharded along the vocabulary
+    the same way.
+
+    Every rank passes its shards ``(V_r, F_s)`` of the student's head and ``(V_r, F_t)``
+    of the teacher's (and biases), and the same inputs and target; every rank gets the
+    same loss, equal to ``linear_divergence`` on the full heads. Per chunk of valid rows:
+    two all_reduce MAX (the student's and the teacher's row max) and one all_reduce SUM
+    of the row sums; one more SUM for ``0 < beta < 1`` (the mixture's sums need both
+    normalisers); "none" repeats them in backward; one all_reduce of the input gradient.
+
+    Example (under ``torchrun``)::
+
+        >>> loss = vocab_parallel_linear_divergence(
+        ...     hidden, student_shard, teacher_hidden, teacher_shard, labels, shift=True
+        ... )
+    """
+
+    name = "vocab_parallel_linear_divergence"
+    shard = vocab_shard(
+        name,
+        dict(
+            student_input=student_input,
+            student_weight=student_weight,
+            teacher_input=teacher_input,
+            teacher_weight=teacher_weight,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+        ),
+        "student_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+    )
+    checked = check_divergence_call(
+        name,
+        student_input,
+        student_weight,
+        teacher_input,
+        teacher_weight,
+        target,
+        student_bias=student_bias,
+        teacher_bias=teacher_bias,
+        beta=beta,
+        temperature=temperature,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap,
+        ignore_index=ignore_index,
+        shift=shift,
+        reduction=reduction,
+        hard_weight=hard_weight,
+        return_entropy=return_entropy,
+        num_classes=shard.total,
+    )
+    loss, entropy = divergence_on_shard(_arguments(checked, options, name), shard)
+    return _result(loss, entropy, checked)
+
+
 @accepts_dtensors(
     rows=("student_input", "teacher_input", "target"),
     heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
-    vocab_parallel="vocab_parallel_linear_divergence",
-    mean=_mean_denominator,
+    vocab_parallel=vocab_parallel_linear_divergence,
+    mean=_counted_positions,
 )
 def linear_divergence(
     student_input: torch.Tensor,
@@ -284,6 +241,7 @@ def linear_divergence(
         ... )
         >>> loss.backward()
     """
+
     checked = check_divergence_call(
         _NAME,
         student_input,
@@ -305,32 +263,6 @@ def linear_divergence(
         hard_weight=hard_weight,
         return_entropy=return_entropy,
     )
-    call, teacher = checked.call, checked.teacher
-    options = resolve_options(options, _NAME)
-    grad_on = torch.is_grad_enabled()
-    loss, entropy, *_grads = divergence(
-        call.input,
-        call.linear_weight,
-        call.linear_bias,
-        *teacher,
-        call.target,
-        None,
-        call.ignore_index,
-        checked.beta,
-        checked.hard_weight,
-        call.transform.as_list(),
-        checked.teacher_transform.as_list(),
-        reduction,
-        return_entropy,
-        options.batch_chunk_size,
-        options.chunking_method,
-        options.acc_policy,
-        options.acc_dtype,
-        options.allow_retain_graph,
-        grad_on and call.input.requires_grad,
-        grad_on and call.linear_weight.requires_grad,
-        grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-    )
-    if reduction == "none":
-        loss = loss.view(call.loss_shape)
-    return (loss, entropy.view(call.loss_shape).detach()) if return_entropy else loss
+    arguments = _arguments(checked, options, _NAME)
+    loss, entropy = divergence(*SCHEMA.flatten(arguments))[:2]
+    return _result(loss, entropy, checked)

@@ -1,4 +1,9 @@
-"""The public function: ``linear_cross_entropy``."""
+"""The cross-entropy family's public functions: ``linear_cross_entropy`` and its
+vocab-parallel front (documented under :mod:`linear_ce.distributed`).
+
+Each checks its call, then runs the same op path (:mod:`linear_ce.ops.cross_entropy`)
+on the vocabulary it sees: the whole of it, or this rank's shard of a process group.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,28 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from linear_ce.checks.call import check_call, with_scales
-from linear_ce.engine.plan import acc_dtype_for
+from linear_ce.checks.call import Call, check_call, with_scales
+from linear_ce.engine.chunk_loop import Needs
+from linear_ce.engine.plan import reported_dtype
 from linear_ce.engine.transform import check_scales
-from linear_ce.ops.cross_entropy import chunked_rows, chunked_scalar
+from linear_ce.losses.cross_entropy import mean_denominator
+from linear_ce.ops.cross_entropy import (
+    SCHEMA,
+    CrossEntropyArguments,
+    chunked_rows,
+    chunked_scalar,
+    cross_entropy_on_shard,
+)
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.outputs import LinearCrossEntropyOutput
 from linear_ce.parallel.dtensor import accepts_dtensors
-from linear_ce.rows import mean_denominator
+from linear_ce.parallel.shard import vocab_shard
 
-__all__ = ["linear_cross_entropy", "reported_dtype"]
+__all__ = ["linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
+
+_NAME = "linear_cross_entropy"
 
 
 @torch.compiler.assume_constant_result
@@ -38,47 +54,174 @@ def _promote_retain_graph() -> bool:
     return True
 
 
-def reported_dtype(
-    input: torch.Tensor, options: LinearCrossEntropyOptions, loss_dtype: torch.dtype | None
-) -> torch.dtype:
-    """The dtype the loss is returned in (see ``loss_dtype`` of :func:`linear_cross_entropy`)."""
-    acc = acc_dtype_for(input.dtype, options.acc_dtype)
-    if loss_dtype is None:
-        device = input.device.type
-        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-        return acc if autocast else input.dtype
-    if loss_dtype not in (input.dtype, acc):
-        raise ValueError(
-            f"linear_cross_entropy: loss_dtype must be None, the input dtype {input.dtype} or "
-            f"the accumulation dtype {acc}, got {loss_dtype!r}"
-        )
-    return loss_dtype
-
-
-def _mean_denominator(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
-    """What "mean" divides this rank's summed loss by, from its rows of the call."""
+def _checked(name: str, num_classes: int | None, **arguments: Any) -> Call:
+    """The call of a front's ``arguments``, checked and reshaped to rows; errors name
+    ``name``; ``num_classes`` is the whole vocabulary of a shard (``None``: no shard)."""
     call = check_call(
         arguments["input"],
         arguments["linear_weight"],
         arguments["target"],
         linear_bias=arguments["linear_bias"],
         weight=arguments["weight"],
-        reduction="sum",
+        reduction=arguments["reduction"],
         ignore_index=arguments["ignore_index"],
         label_smoothing=arguments["label_smoothing"],
+        z_loss=arguments["z_loss"],
+        softcap=arguments["softcap"],
         shift=arguments["shift"],
         token_weight=arguments["token_weight"],
         num_classes=num_classes,
     )
-    return mean_denominator(call)
+    logit_scale, temperature = arguments["logit_scale"], arguments["temperature"]
+    check_scales(name, logit_scale, temperature)
+    return with_scales(call, logit_scale, temperature)
+
+
+def _weight_total(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
+    """What "mean" divides this rank's summed loss by (its rows' weights), for DTensor
+    inputs split along rows."""
+    return mean_denominator(_checked(_NAME, num_classes, **{**arguments, "reduction": "sum"}))
+
+
+def _result(
+    loss: torch.Tensor,
+    z_term: torch.Tensor,
+    lse: torch.Tensor,
+    call: Call,
+    return_z_loss: bool,
+    return_lse: bool,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    if call.reduction == "none":
+        loss, z_term = loss.view(call.loss_shape), z_term.view(call.loss_shape)
+    if not (return_z_loss or return_lse):
+        return loss
+    return LinearCrossEntropyOutput(
+        loss,
+        z_term.detach() if return_z_loss else None,
+        lse.view(call.loss_shape).detach() if return_lse else None,
+    )
+
+
+def vocab_parallel_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    shift: bool | int = False,
+    token_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+    loss_dtype: torch.dtype | None = None,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    r""":func:`linear_ce.linear_cross_entropy` with the weight sharded along the vocabulary.
+
+    Every rank of ``process_group`` calls this with its own shard of the
+    output projection and the same ``input``, ``target``, ``weight`` and
+    ``token_weight``; every rank gets the same loss, equal to
+    ``linear_cross_entropy(input, W, target, ...)`` on the full
+    :math:`W = \mathrm{cat}(\text{shards})`. Gradients: ``linear_weight`` and
+    ``linear_bias`` get the gradient of their own rows (the matching slice of
+    the full one), ``input`` the full gradient (summed over ranks). The
+    collectives per call are listed in :mod:`linear_ce.distributed`.
+
+    All ranks must make the same calls with the same shapes, options,
+    ``requires_grad`` flags and upstream gradient (as when the loss is used
+    the same way on every rank); otherwise the collectives do not match up.
+
+    Args:
+        input: ``(*, F)`` hidden states, the same on every rank.
+        linear_weight: this rank's shard ``(V_r, F)`` (or ``(V_r, d1, …, dK, F)``),
+            rows ``[vocab_start, vocab_start + V_r)`` of the full weight. A
+            DTensor is rejected: pass ``.to_local()`` and its mesh's group.
+        target: class indices into the whole vocabulary ``[0, num_classes)``, or
+            probabilities ``(*, num_classes, d1, …, dK)`` over the whole vocabulary.
+        process_group: the group the vocabulary is sharded over; ``None`` is the
+            default (world) group.
+        vocab_start: first class of this rank's shard. With ``num_classes``, or
+            neither: then both come from one all_gather of the shard sizes, in
+            rank order (see :func:`~linear_ce.distributed.shard_layout`). Shards may be uneven.
+        num_classes: classes of the whole vocabulary.
+        linear_bias: this rank's bias shard ``(V_r, d1, …, dK)`` or ``None``.
+        weight: class weights of the whole vocabulary ``(num_classes,)``.
+        reduction, ignore_index, label_smoothing, options, z_loss, return_z_loss,
+        return_lse, softcap, shift, token_weight, logit_scale, temperature, loss_dtype: as in
+            :func:`linear_ce.linear_cross_entropy`; ``options`` must be the same
+            on every rank (the chunk size is planned from ``⌈num_classes / world⌉``
+            so that every rank runs the same number of chunks).
+
+    Returns:
+        The loss (identical on every rank), or :class:`LinearCrossEntropyOutput`
+        ``(loss, z_loss, lse)`` when ``return_z_loss`` or ``return_lse`` is set.
+
+    Example (one process per GPU, e.g. under ``torchrun``)::
+
+        >>> dist.init_process_group("nccl")
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> shard = full_lm_head.chunk(world)[rank].clone().requires_grad_()  # (V_r, F)
+        >>> loss = vocab_parallel_linear_cross_entropy(hidden, shard, labels, shift=True)
+        >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
+    """
+
+    shard = vocab_shard(
+        "vocab_parallel_linear_cross_entropy",
+        dict(
+            input=input,
+            linear_weight=linear_weight,
+            target=target,
+            linear_bias=linear_bias,
+            weight=weight,
+            token_weight=token_weight,
+        ),
+        "linear_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+        out_features=True,
+    )
+    name = "vocab_parallel_linear_cross_entropy"
+    options = resolve_options(options, name)
+    call = _checked(
+        name,
+        shard.total,
+        input=input,
+        linear_weight=linear_weight,
+        target=target,
+        linear_bias=linear_bias,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        shift=shift,
+        token_weight=token_weight,
+        logit_scale=logit_scale,
+        temperature=temperature,
+    )
+    reported = reported_dtype(name, call.input, options, loss_dtype)
+    loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported)
+    return _result(loss, z_term, lse, call, return_z_loss, return_lse)
 
 
 @accepts_dtensors(
     rows=("input", "target", "token_weight"),
     heads=("linear_weight", "linear_bias"),
     whole=("weight",),
-    vocab_parallel="vocab_parallel_linear_cross_entropy",
-    mean=_mean_denominator,
+    vocab_parallel=vocab_parallel_linear_cross_entropy,
+    mean=_weight_total,
 )
 def linear_cross_entropy(
     input: torch.Tensor,
@@ -171,10 +314,13 @@ def linear_cross_entropy(
         >>> loss = linear_ce.linear_cross_entropy(hidden, lm_head, labels, shift=True)
         >>> loss.backward()
     """
-    call = check_call(
-        input,
-        linear_weight,
-        target,
+
+    call = _checked(
+        _NAME,
+        None,
+        input=input,
+        linear_weight=linear_weight,
+        target=target,
         linear_bias=linear_bias,
         weight=weight,
         reduction=reduction,
@@ -184,64 +330,19 @@ def linear_cross_entropy(
         softcap=softcap,
         shift=shift,
         token_weight=token_weight,
+        logit_scale=logit_scale,
+        temperature=temperature,
     )
-    check_scales("linear_cross_entropy", logit_scale, temperature)
-    call = with_scales(call, logit_scale, temperature)
-    options = resolve_options(options, "linear_cross_entropy")
-    reported = reported_dtype(call.input, options, loss_dtype)
-    shared = (
-        call.input,
-        call.linear_weight,
-        call.target,
-        call.linear_bias,
-        call.class_weight,
-        call.token_weight,
-    )
-    settings = (
-        options.batch_chunk_size,
-        options.chunking_method,
-        options.acc_policy,
-        options.acc_dtype,
-    )
+    options = resolve_options(options, _NAME)
+    reported = reported_dtype(_NAME, call.input, options, loss_dtype)
     if call.reduction == "none":
-        loss, z_term, lse = chunked_rows(
-            *shared,
-            None,
-            call.probability_target,
-            call.ignore_index,
-            call.label_smoothing,
-            call.z_loss,
-            call.transform.as_list(),
-            *settings,
-            False,
-            False,
-            False,
-        )[:3]
-        loss, z_term = loss.view(call.loss_shape).to(reported), z_term.view(call.loss_shape)
+        arguments = CrossEntropyArguments.of(call, options, Needs(False, False, False))
+        loss, z_term, lse = chunked_rows(*SCHEMA.flatten(arguments))[:3]
     else:
         allow_retain_graph = options.allow_retain_graph
         if not allow_retain_graph and torch.compiler.is_compiling():
             allow_retain_graph = _promote_retain_graph()
-        grad_on = torch.is_grad_enabled()
-        loss, z_term, lse = chunked_scalar(
-            *shared,
-            call.probability_target,
-            call.reduction,
-            call.ignore_index,
-            call.label_smoothing,
-            call.z_loss,
-            call.transform.as_list(),
-            *settings,
-            allow_retain_graph,
-            grad_on and call.input.requires_grad,
-            grad_on and call.linear_weight.requires_grad,
-            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-        )[:3]
-        loss = loss.to(reported)
-    if not (return_z_loss or return_lse):
-        return loss
-    return LinearCrossEntropyOutput(
-        loss,
-        z_term.detach() if return_z_loss else None,
-        lse.view(call.loss_shape).detach() if return_lse else None,
-    )
+        needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
+        arguments = CrossEntropyArguments.of(call, options, needs, allow_retain_graph)
+        loss, z_term, lse = chunked_scalar(*SCHEMA.flatten(arguments))[:3]
+    return _result(loss.to(reported), z_term, lse, call, return_z_loss, return_lse)

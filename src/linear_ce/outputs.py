@@ -1,4 +1,4 @@
-"""The result type when extra outputs are asked for."""
+"""The result types of the public functions that return more than one tensor."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LinearCrossEntropyOutput"]
+__all__ = ["LinearCrossEntropyOutput", "TokenLogprobs"]
 
 
 class LinearCrossEntropyOutput(NamedTuple):
@@ -21,3 +21,18 @@ class LinearCrossEntropyOutput(NamedTuple):
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     lse: torch.Tensor | None
+
+
+class TokenLogprobs(NamedTuple):
+    """What :func:`linear_ce.token_logprobs` returns; each field has the target's shape.
+
+    ``logprob``, ``entropy``, ``log_sum_sq_prob`` and ``mean_logit`` are in the
+    accumulation dtype (float32 for float16/bfloat16 inputs, float64 for float64);
+    ``top1`` is bool. A field that was not asked for is ``None``.
+    """
+
+    logprob: torch.Tensor
+    entropy: torch.Tensor | None
+    top1: torch.Tensor | None
+    log_sum_sq_prob: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None

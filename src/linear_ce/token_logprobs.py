@@ -1,42 +1,147 @@
-"""The public function ``token_logprobs``: per-token log-probabilities, entropy, top-1
-and two more statistics of each next-token distribution."""
+"""The per-token family's public functions: ``token_logprobs`` (per-token
+log-probabilities, entropy, top-1 and two more statistics of each next-token
+distribution), its forms for a custom ``autograd.Function``, and its vocab-parallel
+front (documented under :mod:`linear_ce.distributed`)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+import torch.distributed as dist
 
-from linear_ce.checks.call import check_token_call, check_top1_rule
+from linear_ce.checks.call import Call, check_token_call, check_top1_rule
+from linear_ce.engine.chunk_loop import Needs
 from linear_ce.losses.token_logprob import TokenOutputs
-from linear_ce.ops.token_logprobs import token_rows
+from linear_ce.ops.schema import PlanOptions
+from linear_ce.ops.token_logprobs import (
+    SCHEMA,
+    TokenArguments,
+    token_logprobs_on_shard,
+    token_rows,
+)
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.outputs import TokenLogprobs
 from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import vocab_shard
 
-__all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_and_stats", "token_logprobs_vjp"]
+__all__ = [
+    "TokenLogprobs",
+    "token_logprobs",
+    "token_logprobs_and_stats",
+    "token_logprobs_vjp",
+    "vocab_parallel_token_logprobs",
+]
 
 _NAME = "token_logprobs"
 
 
-class TokenLogprobs(NamedTuple):
-    """What :func:`token_logprobs` returns; each field has the target's shape.
+def _arguments(
+    call: Call, outputs: TokenOutputs, options: LinearCrossEntropyOptions, needs: Needs
+) -> TokenArguments:
+    return TokenArguments(
+        call.input,
+        call.linear_weight,
+        call.linear_bias,
+        call.target,
+        None,
+        None,
+        None,
+        call.ignore_index,
+        call.transform,
+        outputs,
+        PlanOptions.of(options),
+        needs,
+    )
 
-    ``logprob``, ``entropy``, ``log_sum_sq_prob`` and ``mean_logit`` are in the
-    accumulation dtype (float32 for float16/bfloat16 inputs, float64 for float64);
-    ``top1`` is bool. A field that was not asked for is ``None``.
+
+def _result(outputs: tuple[torch.Tensor, ...], call: Call, asked: TokenOutputs) -> TokenLogprobs:
+    """The :class:`TokenLogprobs` of ``(logprob, entropy, top1, log_sum_sq_prob,
+    mean_logit)``, in the target's shape; the outputs not asked for are ``None``."""
+    logprob, entropy, top1, sq, mean = outputs
+    shape = call.loss_shape
+    return TokenLogprobs(
+        logprob.view(shape),
+        entropy.view(shape) if asked.entropy else None,
+        top1.view(shape) if asked.top1 else None,
+        sq.view(shape) if asked.log_sum_sq_prob else None,
+        mean.view(shape) if asked.mean_logit else None,
+    )
+
+
+def vocab_parallel_token_logprobs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    top1: bool = False,
+    top1_rule: str = "unique",
+    log_sum_sq_prob: bool = False,
+    mean_logit: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+) -> TokenLogprobs:
+    """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input`` and ``target``; every rank gets the same outputs, equal to
+    ``token_logprobs`` on the full weight. The row statistics are combined with the
+    collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
+    rows in forward; backward uses the forward's row statistics and needs only one
+    all_reduce, of the input gradient); the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
+    the same SUM all_reduce.
+
+    Example (under ``torchrun``)::
+
+        >>> out = vocab_parallel_token_logprobs(hidden, shard, ids, shift=True, entropy=True)
     """
 
-    logprob: torch.Tensor
-    entropy: torch.Tensor | None
-    top1: torch.Tensor | None
-    log_sum_sq_prob: torch.Tensor | None = None
-    mean_logit: torch.Tensor | None = None
+    name = "vocab_parallel_token_logprobs"
+    shard = vocab_shard(
+        name,
+        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
+        "linear_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+    )
+    options = resolve_options(options, name)
+    call = check_token_call(
+        name,
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={
+            "entropy": entropy,
+            "top1": top1,
+            "log_sum_sq_prob": log_sum_sq_prob,
+            "mean_logit": mean_logit,
+        },
+        num_classes=shard.total,
+    )
+    check_top1_rule(name, top1_rule)
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
+    arguments = _arguments(call, asked, options, Needs(False, False, False))
+    return _result(token_logprobs_on_shard(arguments, shard), call, asked)
 
 
 @accepts_dtensors(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
-    vocab_parallel="vocab_parallel_token_logprobs",
+    vocab_parallel=vocab_parallel_token_logprobs,
 )
 def token_logprobs(
     input: torch.Tensor,
@@ -118,6 +223,7 @@ def token_logprobs(
         >>> loss = -(advantages * out.logprob).mean() - 0.01 * out.entropy.mean()
         >>> loss.backward()
     """
+
     return token_logprobs_and_stats(
         input,
         linear_weight,
@@ -168,6 +274,7 @@ def token_logprobs_and_stats(
         >>> out, stats = token_logprobs_and_stats(x, W, t, entropy=True)
         >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None, row_stats=stats)
     """
+
     call = check_token_call(
         _NAME,
         input,
@@ -189,35 +296,11 @@ def token_logprobs_and_stats(
     check_top1_rule(_NAME, top1_rule)
     asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
     options = resolve_options(options, _NAME)
-    grad_on = torch.is_grad_enabled()
-    logprob, row_stats, ent, is_top1, sq, mean = token_rows(
-        call.input,
-        call.linear_weight,
-        call.target,
-        call.linear_bias,
-        None,
-        None,
-        None,
-        call.ignore_index,
-        call.transform.as_list(),
-        asked.encode(),
-        options.batch_chunk_size,
-        options.chunking_method,
-        options.acc_policy,
-        options.acc_dtype,
-        grad_on and call.input.requires_grad,
-        grad_on and call.linear_weight.requires_grad,
-        grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
+    needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
+    logprob, row_stats, *statistics = token_rows(
+        *SCHEMA.flatten(_arguments(call, asked, options, needs))
     )[:6]
-    shape = call.loss_shape
-    outputs = TokenLogprobs(
-        logprob.view(shape),
-        ent.view(shape) if entropy else None,
-        is_top1.view(shape) if top1 else None,
-        sq.view(shape) if log_sum_sq_prob else None,
-        mean.view(shape) if mean_logit else None,
-    )
-    return outputs, row_stats.detach()
+    return _result((logprob, *statistics), call, asked), row_stats.detach()
 
 
 def token_logprobs_vjp(
@@ -256,6 +339,7 @@ def token_logprobs_vjp(
         >>> t = torch.randint(0, 50, (6,))
         >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None)
     """
+
     call = check_token_call(
         _NAME,
         input,
@@ -270,40 +354,23 @@ def token_logprobs_vjp(
         flags={},
     )
     need_x, need_w, need_b = needs
-    need_b = need_b and linear_bias is not None
-    if (grad_logprob is None and grad_entropy is None) or not (need_x or need_w or need_b):
+    needs = Needs(need_x, need_w, need_b and linear_bias is not None)
+    if (grad_logprob is None and grad_entropy is None) or not any(needs):
         return None, None, None
     options = resolve_options(options, _NAME)
     if row_stats is not None:
         _check_row_stats(row_stats, call.target.shape, call.input)
 
-    def rows(grad: torch.Tensor | None) -> torch.Tensor | None:
+    def as_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.reshape(call.target.shape).contiguous()
 
-    grads = token_rows(
-        call.input,
-        call.linear_weight,
-        call.target,
-        call.linear_bias,
-        rows(grad_logprob),
-        rows(grad_entropy),
-        row_stats,
-        call.ignore_index,
-        call.transform.as_list(),
-        TokenOutputs().encode(),
-        options.batch_chunk_size,
-        options.chunking_method,
-        options.acc_policy,
-        options.acc_dtype,
-        need_x,
-        need_w,
-        need_b,
-    )[-3:]
+    arguments = _arguments(call, TokenOutputs(), options, needs)._replace(
+        grad_logprob=as_rows(grad_logprob), grad_entropy=as_rows(grad_entropy), row_stats=row_stats
+    )
+    grads = token_rows(*SCHEMA.flatten(arguments))[-3:]
     return tuple(
         grad.view(like.shape) if need else None
-        for grad, like, need in zip(
-            grads, (input, linear_weight, linear_bias), (need_x, need_w, need_b), strict=True
-        )
+        for grad, like, need in zip(grads, (input, linear_weight, linear_bias), needs, strict=True)
     )
 
 

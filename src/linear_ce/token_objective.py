@@ -1,101 +1,27 @@
-"""The public function ``token_objective``: a token-local loss fused into the LM head."""
+"""The token-objective family's public functions: ``token_objective``, a token-local loss
+fused into the LM head, and its vocab-parallel front (documented under
+:mod:`linear_ce.distributed`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.distributed as dist
 
-from linear_ce.checks.call import Call, check_token_call
-from linear_ce.engine.chunk_loop import run_chunks, tiles_for
-from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.checks.call import check_token_call
 from linear_ce.engine.vocab import LocalVocab
-from linear_ce.losses.token_objective import ObjectiveHead
-from linear_ce.ops.cross_entropy import check_class_indices, hand_over_gradients
+from linear_ce.ops.token_objective import objective_loss
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabShard, vocab_shard
 
-__all__ = ["objective_loss", "token_objective"]
+__all__ = ["token_objective", "vocab_parallel_token_objective"]
 
 _NAME = "token_objective"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    name: str
-    call: Call
-    objective: Callable[..., torch.Tensor]
-    entropy: bool
-    side: dict[str, torch.Tensor]
-    options: LinearCrossEntropyOptions
-    needs: tuple[bool, bool, bool]
-    vocab: LocalVocab
-    planned_classes: int
-
-
-class _TokenObjective(torch.autograd.Function):
-    """Forward runs the loop once and computes the gradients; backward scales them.
-
-    With a vocab-parallel ``spec.vocab`` (:class:`linear_ce.distributed.VocabShard`) the
-    weight is this rank's shard: the loop combines the row statistics over the group, so
-    every rank evaluates the objective on the same log-probabilities, and the input
-    gradient is summed over the group."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, spec: _Spec):
-        call = spec.call
-        acc = acc_dtype_for(input.dtype, spec.options.acc_dtype)
-        head = ObjectiveHead(
-            call.target.long(),
-            call.target != call.ignore_index,
-            spec.vocab.start,
-            weight.shape[0],
-            acc,
-            objective=spec.objective,
-            entropy=spec.entropy,
-            side=spec.side,
-            name=spec.name,
-        )
-        rows, in_features = input.shape
-        plan = make_plan(
-            rows,
-            in_features,
-            spec.planned_classes,
-            input.dtype,
-            input.device,
-            spec.options,
-            tiles=tiles_for(head.keeps_logits, call.transform, any(spec.needs)),
-        )
-        need_x, need_w, need_b = spec.needs
-        grads = run_chunks(
-            input,
-            weight,
-            bias,
-            head,
-            call.transform,
-            plan,
-            grad_input=need_x,
-            grad_weight=need_w,
-            grad_bias=need_b,
-            vocab=spec.vocab,
-        )
-        if grads.input is not None:
-            spec.vocab.sum_(grads.input)
-        ctx.grads = [grads.input, grads.weight, grads.bias]
-        ctx.needs = spec.needs
-        ctx.allow_retain_graph = spec.options.allow_retain_graph
-        return head.total.to(acc)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        scaled = hand_over_gradients(ctx, ctx.needs, grad_loss, ctx.allow_retain_graph)
-        return (*scaled, None)
-
-
-def _side_inputs(
+def _checked_side_inputs(
     side: dict[str, torch.Tensor], target: torch.Tensor, input: torch.Tensor, name: str
 ) -> dict[str, torch.Tensor]:
     checked = {}
@@ -128,12 +54,121 @@ def _side_inputs(
     return checked
 
 
+def _objective(
+    name: str,
+    shard: VocabShard | None,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[..., torch.Tensor],
+    *,
+    linear_bias: torch.Tensor | None,
+    ignore_index: int,
+    shift: bool | int,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    entropy: bool,
+    options: LinearCrossEntropyOptions | None,
+    side: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """:func:`token_objective` (errors name ``name``) on this rank's ``shard`` of the
+    vocabulary, or on the whole of it (``None``)."""
+    if not callable(objective):
+        raise ValueError(f"{name}: objective must be callable, got {type(objective).__name__}")
+    if getattr(objective, "needs_entropy", False) and entropy is False:
+        raise ValueError(f"{name}: objective {objective!r} reads the entropy; pass entropy=True")
+    call = check_token_call(
+        name,
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        flags={"entropy": entropy},
+        num_classes=None if shard is None else shard.total,
+    )
+    checked_side = _checked_side_inputs(side, target, input, name)
+    options = resolve_options(options, name)
+    vocab = LocalVocab(call.linear_weight.shape[0]) if shard is None else shard
+    return objective_loss(name, call, objective, entropy, checked_side, options, vocab)
+
+
+def vocab_parallel_token_objective(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[..., torch.Tensor],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    options: LinearCrossEntropyOptions | None = None,
+    **token_tensors: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`linear_ce.token_objective` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input``, ``target`` and side inputs; the row statistics are combined as in
+    :func:`vocab_parallel_token_logprobs` (two all_reduce per chunk of valid rows, the
+    entropy's sum riding in the SUM one), so every rank evaluates ``objective`` on the same
+    log-probabilities and gets the same loss, equal to ``token_objective`` on the full
+    weight. The gradients are computed in forward; one all_reduce sums the input gradient
+    over the group, and backward communicates nothing.
+
+    Example (under ``torchrun``)::
+
+        >>> loss = vocab_parallel_token_objective(
+        ...     hidden, shard, ids, obj.clipped_policy_gradient(0.2), shift=True,
+        ...     old_logprob=old, advantage=adv, weight=mask / mask.sum(),
+        ... )
+    """
+
+    name = "vocab_parallel_token_objective"
+    shard = vocab_shard(
+        name,
+        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
+        "linear_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+    )
+    return _objective(
+        name,
+        shard,
+        input,
+        linear_weight,
+        target,
+        objective,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        entropy=entropy,
+        options=options,
+        side=token_tensors,
+    )
+
+
 @torch.compiler.disable
 @accepts_dtensors(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
     per_token_keywords=True,
-    vocab_parallel="vocab_parallel_token_objective",
+    vocab_parallel=vocab_parallel_token_objective,
 )
 def token_objective(
     input: torch.Tensor,
@@ -185,8 +220,10 @@ def token_objective(
         ... )
         >>> loss.backward()
     """
-    return objective_loss(
+
+    return _objective(
         _NAME,
+        None,
         input,
         linear_weight,
         target,
@@ -201,71 +238,3 @@ def token_objective(
         options=options,
         side=token_tensors,
     )
-
-
-def objective_loss(
-    name: str,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    objective: Callable[..., torch.Tensor],
-    *,
-    linear_bias: torch.Tensor | None,
-    ignore_index: int,
-    shift: bool | int,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    entropy: bool,
-    options: LinearCrossEntropyOptions | None,
-    side: dict[str, torch.Tensor],
-    vocab: LocalVocab | None = None,
-    num_classes: int | None = None,
-    planned_classes: int | None = None,
-) -> torch.Tensor:
-    """:func:`token_objective` (errors name ``name``); ``vocab``, ``num_classes`` and
-    ``planned_classes`` (the classes per rank the chunk size is planned for) describe a
-    vocab-parallel shard (:func:`linear_ce.distributed.vocab_parallel_token_objective`);
-    ``None`` means the whole vocabulary in ``linear_weight``."""
-    if not callable(objective):
-        raise ValueError(f"{name}: objective must be callable, got {type(objective).__name__}")
-    if getattr(objective, "needs_entropy", False) and entropy is False:
-        raise ValueError(f"{name}: objective {objective!r} reads the entropy; pass entropy=True")
-    call = check_token_call(
-        name,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={"entropy": entropy},
-        num_classes=num_classes,
-    )
-    classes = call.linear_weight.shape[0] if num_classes is None else num_classes
-    check_class_indices(call.target, call.ignore_index, classes, name)
-    checked_side = _side_inputs(side, target, input, name)
-    options = resolve_options(options, name)
-    rows = call.input.shape[0]
-    acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
-    flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in checked_side.items()}
-    grad_on = torch.is_grad_enabled()
-    spec = _Spec(
-        name=name,
-        call=call,
-        objective=objective,
-        entropy=entropy,
-        side=flat_side,
-        options=options,
-        needs=(
-            grad_on and call.input.requires_grad,
-            grad_on and call.linear_weight.requires_grad,
-            grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
-        ),
-        vocab=LocalVocab() if vocab is None else vocab,
-        planned_classes=call.linear_weight.shape[0] if planned_classes is None else planned_classes,
-    )
-    return _TokenObjective.apply(call.input, call.linear_weight, call.linear_bias, spec)

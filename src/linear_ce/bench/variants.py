@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from linear_ce.bench.config import HEADS, Point
-from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
 
 __all__ = [
     "DEFAULT",
@@ -34,7 +34,6 @@ __all__ = [
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], None]]
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Variant:
 
 def _native(point: Point) -> bool:
     dtype = point.torch_dtype
-    return dtype not in _HALF or native_half_gemm(dtype, torch.device(point.device))
+    return dtype not in HALF_DTYPES or native_half_gemm(dtype, torch.device(point.device))
 
 
 def _always(point: Point) -> str | None:
@@ -156,7 +155,7 @@ def _surrogate(logprob, old_logprob, advantage, weight):
 
 def _objective(kind: str) -> Build:
     def build(x, w, t):
-        side = _rl_side(t, torch.float32 if x.dtype in _HALF else x.dtype)
+        side = _rl_side(t, torch.float32 if x.dtype in HALF_DTYPES else x.dtype)
 
         def call():
             import linear_ce
@@ -244,7 +243,9 @@ def _divergence(kind: str) -> Build:
 
 def _floor_fwd(x, w, t):
     dtype = (
-        x.dtype if native_half_gemm(x.dtype, x.device) or x.dtype not in _HALF else torch.float32
+        x.dtype
+        if native_half_gemm(x.dtype, x.device) or x.dtype not in HALF_DTYPES
+        else torch.float32
     )
     xd, wd = x.detach().to(dtype), w.detach().to(dtype)
 
@@ -344,7 +345,7 @@ def _same_dtype_floor(point: Point) -> str | None:
 
 
 def _half_only(point: Point) -> str | None:
-    return None if point.torch_dtype in _HALF else "only for fp16/bf16 inputs"
+    return None if point.torch_dtype in HALF_DTYPES else "only for fp16/bf16 inputs"
 
 
 def _has_builtin(point: Point) -> str | None:
@@ -594,14 +595,14 @@ def reference_variant(point: Point, kind: str) -> str:
     if kind == "forward":
         return "floor-fwd"
     base = "floor-2heads" if point.head == "divergence" else "floor"
-    return f"{base}-fp32" if point.torch_dtype in _HALF else base
+    return f"{base}-fp32" if point.torch_dtype in HALF_DTYPES else base
 
 
 def own_floor_variant(point: Point, kind: str) -> str | None:
     """For a half-precision training variant, the floor in its own dtype (``floor``, or
     ``floor-2heads`` at a distillation point): the reference of the native-half targets,
     next to :func:`reference_variant`'s fp32 one. ``None`` elsewhere."""
-    if kind == "forward" or point.torch_dtype not in _HALF:
+    if kind == "forward" or point.torch_dtype not in HALF_DTYPES:
         return None
     return "floor-2heads" if point.head == "divergence" else "floor"
 

@@ -18,7 +18,6 @@ from typing import NoReturn
 import torch
 
 from linear_ce.engine.transform import LogitTransform, check_scales
-from linear_ce.losses.token_logprob import TOP1_RULES
 
 __all__ = [
     "Call",
@@ -48,6 +47,8 @@ __all__ = [
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
+#: How ``top1`` treats a tie at the maximum (see :mod:`linear_ce.losses.token_logprob`).
+TOP1_RULES = ("unique", "argmax")
 DEFAULT_IGNORE_INDEX = -100
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.gemm import Gemm, vocab_blocks
 
 if TYPE_CHECKING:
@@ -61,8 +62,6 @@ __all__ = [
 #: in a core's L2 cache between unpacking, adding and packing (on a 2-core Zen 4, bf16,
 #: N=1024 F=1024 V=32768: 3.5 s per training step against 5.0 s with 4 MiB).
 CACHE_BLOCK_ELEMENTS = 1 << 18
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class DirectSum:
@@ -143,7 +142,7 @@ class SplitSum:
         *,
         pair_chunks: bool = False,
     ) -> None:
-        if dtype not in _HALF:
+        if dtype not in HALF_DTYPES:
             raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
         self.result = torch.zeros(shape, dtype=dtype, device=device)
         self.gemm = gemm

@@ -18,9 +18,11 @@ import os
 
 import torch
 
-__all__ = ["NATIVE_HALF_GEMM_ENV", "native_half_gemm"]
+__all__ = ["HALF_DTYPES", "NATIVE_HALF_GEMM_ENV", "native_half_gemm"]
 
 NATIVE_HALF_GEMM_ENV = "LINEAR_CE_NATIVE_HALF_GEMM"
+#: The half dtypes: computed in fp32 by default, with their own GEMM paths.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # oneDNN's fast bf16 GEMM needs AVX512-BF16 or AMX; fp16 needs AVX512-FP16 or AMX-FP16.
 _CPU_FLAGS = {

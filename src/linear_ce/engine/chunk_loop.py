@@ -35,23 +35,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from linear_ce.engine.accumulate import weight_grad_sum
 from linear_ce.engine.gemm import Gemm
 from linear_ce.engine.head import Head, RowStats
-from linear_ce.engine.plan import Plan
+from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, row_chunks, rows_of
 from linear_ce.engine.transform import LogitTransform
-from linear_ce.engine.vocab import LocalVocab
+from linear_ce.engine.vocab import LocalVocab, Vocab
+from linear_ce.options import LinearCrossEntropyOptions
 
 __all__ = [
     "Companion",
     "Gradients",
+    "Needs",
     "add_grad_input_rows",
     "keeps_second_tile",
     "run_chunks",
+    "run_head",
     "tiles_for",
 ]
 
@@ -68,6 +73,40 @@ class Gradients:
     input: torch.Tensor | None
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+
+
+class Needs(NamedTuple):
+    """Which of the input, the weight and the bias get a gradient (``bias`` is ``False``
+    without a bias)."""
+
+    input: bool
+    weight: bool
+    bias: bool
+
+    @classmethod
+    def of(cls, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Needs:
+        """The gradients autograd will ask for: those of the tensors that require grad,
+        in grad mode."""
+        on = torch.is_grad_enabled()
+        return cls(
+            on and input.requires_grad,
+            on and weight.requires_grad,
+            on and bias is not None and bias.requires_grad,
+        )
+
+    @classmethod
+    def asked(cls, ctx: Any, bias: torch.Tensor | None) -> Needs:
+        """What a backward is asked for (``ctx.needs_input_grad``, the three tensors first)."""
+        asked = ctx.needs_input_grad
+        return cls(asked[0], asked[1], bias is not None and asked[2])
+
+    def when(self, flowing: bool) -> Needs:
+        """These gradients if an upstream gradient flows, else none."""
+        return Needs(*(flowing and need for need in self))
+
+    def pick(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """``grads`` (input, weight, bias) where needed, ``None`` elsewhere."""
+        return tuple(g if need else None for g, need in zip(grads, self, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +153,15 @@ def run_chunks(
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
-    vocab: LocalVocab | None = None,
+    vocab: Vocab | None = None,
     companion: Companion | None = None,
 ) -> Gradients:
     """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``
     (and a ``companion`` head over the same rows); returns the gradients of the head's
     loss (its upstream gradients folded in)."""
-    vocab = vocab or LocalVocab()
     rows, in_features = input.shape
     local_classes, positions, _ = weight.shape
+    vocab = vocab or LocalVocab(local_classes)
     acc, device, gemm = plan.acc_dtype, input.device, plan.gemm
     want_grads = grad_input or grad_weight or grad_bias
 
@@ -247,6 +286,49 @@ def run_chunks(
     )
 
 
+def run_head(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    head: Head,
+    transform: LogitTransform,
+    options: LinearCrossEntropyOptions,
+    vocab: Vocab,
+    needs: Needs,
+    companion: Companion | None = None,
+) -> Gradients:
+    """:func:`run_chunks` on the plan of ``head`` (its tiles, ``vocab.plan_classes``
+    classes): the gradients ``needs`` asks for, the input's summed over the vocabulary's
+    shards."""
+    rows, in_features = input.shape
+    plan = make_plan(
+        rows,
+        in_features,
+        vocab.plan_classes,
+        input.dtype,
+        input.device,
+        options,
+        tiles=tiles_for(head.keeps_logits, transform, any(needs), companion is not None),
+        half_tile=companion is None,
+    )
+    grads = run_chunks(
+        input,
+        weight,
+        bias,
+        head,
+        transform,
+        plan,
+        grad_input=needs.input,
+        grad_weight=needs.weight,
+        grad_bias=needs.bias,
+        vocab=vocab,
+        companion=companion,
+    )
+    if grads.input is not None:
+        vocab.sum_(grads.input)
+    return grads
+
+
 def add_grad_input_rows(
     gemm: Gemm,
     grad_x: torch.Tensor,
@@ -323,7 +405,7 @@ class _CompanionBuffers:
         )
         self.position = -1
 
-    def logits(self, rows, p: int, n: int, vocab: LocalVocab) -> torch.Tensor:
+    def logits(self, rows, p: int, n: int, vocab: Vocab) -> torch.Tensor:
         """The companion's transformed logits of ``rows`` at ``p`` minus their row max."""
         c = self.companion
         if p != self.position:

@@ -11,13 +11,14 @@ import sys
 
 import torch
 
-from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
     "BUDGET_SHARE",
     "DIRECT_SUM_MAX_CHUNKS",
+    "DIVERGENCE_SHARE",
     "HALF_CPU_BUDGET_SHARE",
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
@@ -27,6 +28,7 @@ __all__ = [
     "choose_chunk_rows",
     "choose_vocab_blocks",
     "make_plan",
+    "reported_dtype",
     "split_sum_supported",
 ]
 
@@ -40,6 +42,13 @@ ROW_MULTIPLE = 32
 #: share buys little: with the class-major logits buffer the three GEMMs run at 160–180
 #: GFLOP/s from 256 rows on (D=1024, V=32768), within 10% of their rate at 2048 rows.
 BUDGET_SHARE = 0.25
+#: The share of the student's gradient bytes the two (or three) logits tiles of a
+#: distillation call (:mod:`linear_ce.ops.divergence`) may take: with the gradients
+#: themselves and the blocked scratch the call stays within 1.5× of them. At D=1024,
+#: V=32768 (fp32) that is 256-row chunks, which run the four GEMMs at 1.08× their floor
+#: where 128-row chunks (the cross-entropy share) run at 1.31×: the weight-gradient GEMM
+#: of a short chunk is bound by reading and writing ``grad_W``.
+DIVERGENCE_SHARE = 0.48
 #: The share for half inputs accumulated in fp32 on a CPU without native half GEMMs
 #: (``BlockUpcast``), whose gradients have half the bytes while the scratch rows stay
 #: fp32: at N=2048, D=1024, V=32768 the quarter share gives 128-row chunks, which ran at
@@ -68,7 +77,6 @@ CLASS_MULTIPLE = 128
 #: 1.49× at 4, 2.04× at 8 — the bound is 2×. It saves the split sum's ``V·F`` bytes (spent
 #: on longer chunks) and its unpack/add/pack pass per chunk.
 DIRECT_SUM_MAX_CHUNKS = 4
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +124,7 @@ class Plan:
 def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
     """Whether :class:`~linear_ce.engine.accumulate.SplitSum` can hold an ``acc_dtype`` sum for ``input_dtype``:
     half inputs with fp32 accumulation, on a little-endian host (the planes are byte views)."""
-    return input_dtype in _HALF and acc_dtype == torch.float32 and sys.byteorder == "little"
+    return input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and sys.byteorder == "little"
 
 
 def choose_chunk_rows(
@@ -221,15 +229,36 @@ def choose_vocab_blocks(
 def acc_dtype_for(input_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
     """The accumulation dtype: ``requested``, or float32 for half inputs, else the input's."""
     if requested is None:
-        return torch.float32 if input_dtype in _HALF else input_dtype
+        return torch.float32 if input_dtype in HALF_DTYPES else input_dtype
     if requested != input_dtype and (
-        requested.itemsize < input_dtype.itemsize or requested in _HALF
+        requested.itemsize < input_dtype.itemsize or requested in HALF_DTYPES
     ):
         raise ValueError(
             f"acc_dtype={requested} is narrower than the input dtype {input_dtype}; use "
             f"None, {input_dtype} or a wider float (float32/float64)"
         )
     return requested
+
+
+def reported_dtype(
+    name: str,
+    input: torch.Tensor,
+    options: LinearCrossEntropyOptions,
+    loss_dtype: torch.dtype | None,
+) -> torch.dtype:
+    """The dtype a loss is returned in (see ``loss_dtype`` of
+    :func:`linear_ce.linear_cross_entropy`; errors name ``name``)."""
+    acc = acc_dtype_for(input.dtype, options.acc_dtype)
+    if loss_dtype is None:
+        device = input.device.type
+        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+        return acc if autocast else input.dtype
+    if loss_dtype not in (input.dtype, acc):
+        raise ValueError(
+            f"{name}: loss_dtype must be None, the input dtype {input.dtype} or "
+            f"the accumulation dtype {acc}, got {loss_dtype!r}"
+        )
+    return loss_dtype
 
 
 def make_plan(
@@ -292,7 +321,7 @@ def make_plan(
         gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
-    exp2 = input_dtype in _HALF and acc_dtype == torch.float32 and device.type == "cpu"
+    exp2 = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
     half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
     if share is None:
         share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) or half else BUDGET_SHARE

@@ -1,20 +1,45 @@
-"""Which slice of the vocabulary this process holds, and how row statistics are combined."""
+"""The vocabulary a call sees: which classes this process holds, and how row statistics
+are combined over the processes that hold the others."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-__all__ = ["LocalVocab"]
+__all__ = ["LocalVocab", "Vocab"]
+
+
+class Vocab(Protocol):
+    """Where the classes of a call lie: this process holds ``[start, start + V_local)``
+    of ``total`` classes, and the chunk size is planned for ``plan_classes`` of them (the
+    same on every process, so that every process runs the same chunks). ``max_`` and
+    ``sum_`` combine row statistics over the processes that hold the others, in place.
+
+    :class:`LocalVocab` is the whole vocabulary; a vocab-parallel shard is
+    :class:`linear_ce.parallel.shard.VocabShard`.
+    """
+
+    start: int
+    total: int
+    plan_classes: int
+
+    def max_(self, row_max: torch.Tensor) -> None:
+        """Make ``row_max`` the maximum over every shard, in place."""
+
+    def sum_(self, row_sums: torch.Tensor) -> None:
+        """Make ``row_sums`` the sum over every shard, in place."""
 
 
 class LocalVocab:
-    """The whole vocabulary in one process: combining row statistics is a no-op.
-
-    A vocab-parallel shard (:mod:`linear_ce.distributed`) provides the same
-    members (``start``, ``max_``, ``sum_``) with collectives behind them.
-    """
+    """The whole vocabulary of ``classes`` classes in one process: combining row
+    statistics is a no-op."""
 
     start: int = 0
+
+    def __init__(self, classes: int) -> None:
+        self.total = classes
+        self.plan_classes = classes
 
     def max_(self, row_max: torch.Tensor) -> None:
         """Make ``row_max`` the maximum over every shard, in place."""

@@ -1,7 +1,36 @@
-r"""The cross-entropy head: the loss of :mod:`linear_ce.rows` on the loop's tiles.
+r"""The cross-entropy head, and the per-row coefficients of its loss: the one place that
+knows what each feature means.
 
-Per row, with target weights :math:`a_{ij}` and their total :math:`A_i`
-(:class:`~linear_ce.rows.RowTerms`), the loop's :math:`u = s - m` and
+For row :math:`i` with (softcapped) logits :math:`s_i`, softmax :math:`p_i`
+and :math:`\mathrm{lse}_i = \log\sum_j e^{s_{ij}}`, every supported loss is
+
+.. math::
+
+    \ell_i = \sum_j a_{ij}\,(\mathrm{lse}_i - s_{ij}) + \lambda\,\omega_i\,\mathrm{lse}_i^2,
+    \qquad
+    \frac{\partial \ell_i}{\partial s_{ij}}
+        = (A_i + 2\lambda\,\omega_i\,\mathrm{lse}_i)\,p_{ij} - a_{ij},
+    \qquad A_i = \sum_j a_{ij},
+
+with target weights :math:`a_{ij} = \alpha_i\,[j = t_i] + \beta_i\,w_j + \gamma_i\,w_j\,q_{ij}`:
+
+- class-index target :math:`t_i`: :math:`\alpha_i = (1-\varepsilon)\,w_{t_i}`,
+  :math:`\beta_i = \varepsilon / C`, :math:`\gamma_i = 0`, row weight
+  :math:`\omega_i = w_{t_i}`; all zero on ignored rows;
+- probability target :math:`q_i`: :math:`\alpha_i = 0`, :math:`\beta_i = \varepsilon/C`,
+  :math:`\gamma_i = 1 - \varepsilon`, :math:`\omega_i = 1`,
+
+where :math:`w` are the class weights (ones if none), :math:`\varepsilon` the
+label smoothing and :math:`\lambda` the z-loss. This is exactly torch's
+``cross_entropy`` with ``weight`` and ``label_smoothing`` (plus the z-loss).
+The result is :math:`\sum_i \tau_i \ell_i` scaled by :math:`1/\sum_i\omega_i`
+for ``"mean"`` (:math:`1/N` for probability targets), where :math:`\tau` is
+the token weight; the gradient of row :math:`i` is scaled by
+:math:`r_i = \tau_i \cdot` (that normaliser, or the upstream gradient for
+``"none"``).
+
+The head (:class:`CrossEntropyHead`) computes it on the loop's tiles: per row, with
+the coefficients of :class:`RowTerms`, the loop's :math:`u = s - m` and
 :math:`Z = \sum_j e^{u_j}`:
 
 .. math::
@@ -14,17 +43,158 @@ Per row, with target weights :math:`a_{ij}` and their total :math:`A_i`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from linear_ce.checks.call import Call
-from linear_ce.engine.chunk_loop import Gradients, run_chunks
 from linear_ce.engine.head import RowStats
-from linear_ce.engine.plan import Plan
 from linear_ce.engine.row_chunks import RowChunk
-from linear_ce.engine.vocab import LocalVocab
-from linear_ce.rows import RowTerms, row_terms
 
-__all__ = ["CrossEntropyHead", "run_cross_entropy"]
+__all__ = ["CrossEntropyHead", "RowTerms", "mean_denominator", "row_terms", "row_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTerms:
+    """Per-row coefficients, each ``(N, P)`` in the accumulation dtype (see module doc).
+
+    ``target`` holds class indices made safe to index with (ignored rows point
+    at class 0); ``valid`` is False on ignored rows. ``A`` is the total target
+    weight :math:`A_i`; ``zeta`` is :math:`\\lambda\\,\\omega_i`; ``scale`` is
+    :math:`r_i`; ``token`` is :math:`\\tau_i`; ``normaliser`` the scalar that
+    turns the sum into the requested reduction.
+    """
+
+    target: torch.Tensor | None
+    valid: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    gamma: float
+    A: torch.Tensor
+    zeta: torch.Tensor
+    token: torch.Tensor
+    scale: torch.Tensor
+    normaliser: torch.Tensor
+    class_weight: torch.Tensor | None
+
+    def z_rows(self, lse: torch.Tensor) -> torch.Tensor:
+        """The z-loss term of each row, :math:`\\tau_i\\,\\lambda\\,\\omega_i\\,\\mathrm{lse}_i^2`."""
+        return self.zeta * self.token * lse.square()
+
+    def reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """The ``"mean"``/``"sum"`` reduction of per-row values: their sum times ``normaliser``."""
+        return rows.sum() * self.normaliser
+
+
+#: Elements of a probability target upcast at a time: the row sums need a
+#: bounded scratch, not an acc-dtype copy of the whole ``(N, C)`` target.
+_TARGET_BLOCK_ELEMENTS = 1 << 22
+
+
+def _weighted_target_sum(
+    target: torch.Tensor, class_weight: torch.Tensor | None, acc_dtype: torch.dtype
+) -> torch.Tensor:
+    """:math:`\\sum_c w_c q_{icp}` of an ``(N, C, P)`` target, ``(N, P)`` in ``acc_dtype``."""
+    rows, classes, positions = target.shape
+    block = max(1, _TARGET_BLOCK_ELEMENTS // max(classes * positions, 1))
+    out = torch.empty((rows, positions), dtype=acc_dtype, device=target.device)
+    for start in range(0, rows, block):
+        q = target[start : start + block].to(acc_dtype)
+        out[start : start + block] = (
+            q.sum(1) if class_weight is None else torch.einsum("ncp,c->np", q, class_weight)
+        )
+    return out
+
+
+def row_weights(
+    call: Call, acc_dtype: torch.dtype, class_weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The row weights :math:`\\omega` ``(N, P)`` in ``acc_dtype``: the class weight of the
+    target (one without class weights), zero on ignored rows; one per row for probability
+    targets. ``class_weight`` is ``call.class_weight`` already in ``acc_dtype``, if at hand."""
+    rows, positions = call.input.shape[0], call.linear_weight.shape[1]
+    if call.probability_target:
+        return torch.ones((rows, positions), dtype=acc_dtype, device=call.input.device)
+    if class_weight is None and call.class_weight is not None:
+        class_weight = call.class_weight.to(acc_dtype)
+    valid = call.target != call.ignore_index
+    omega = valid.to(acc_dtype)
+    if class_weight is not None:
+        omega = omega * class_weight[torch.where(valid, call.target, 0).long()]
+    return omega
+
+
+def mean_denominator(call: Call, acc_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """:math:`\\sum_i \\omega_i`, what ``reduction="mean"`` divides the summed loss by."""
+    return row_weights(call, acc_dtype).sum()
+
+
+def row_terms(
+    call: Call,
+    acc_dtype: torch.dtype,
+    grad_output: torch.Tensor | None = None,
+    num_classes: int | None = None,
+) -> RowTerms:
+    """Coefficients of every row of ``call`` in ``acc_dtype``.
+
+    ``grad_output`` (``"none"`` backward only) is the upstream ``(N, P)``
+    gradient; it replaces the reduction's normaliser in ``scale``.
+    ``num_classes`` is the whole vocabulary's ``C`` when ``call.linear_weight``
+    is a vocab-parallel shard (:mod:`linear_ce.distributed`); ``None`` means
+    the weight's own first dimension.
+    """
+    rows, positions = call.input.shape[0], call.linear_weight.shape[1]
+    if num_classes is None:
+        num_classes = call.linear_weight.shape[0]
+    device = call.input.device
+    eps = call.label_smoothing
+    class_weight = None if call.class_weight is None else call.class_weight.to(acc_dtype)
+    weight_total = float(num_classes) if class_weight is None else class_weight.sum()
+
+    omega = row_weights(call, acc_dtype, class_weight)
+    if call.probability_target:
+        target = None
+        valid = torch.ones((rows, positions), dtype=torch.bool, device=device)
+        alpha = torch.zeros_like(omega)
+        weighted_q = _weighted_target_sum(call.target, class_weight, acc_dtype)
+        A = (1.0 - eps) * weighted_q + (eps / num_classes) * weight_total
+        beta, gamma = torch.full_like(omega, eps / num_classes), 1.0 - eps
+    else:
+        valid = call.target != call.ignore_index
+        target = torch.where(valid, call.target, 0).long()
+        alpha = (1.0 - eps) * omega
+        A = alpha + (eps / num_classes) * weight_total * valid.to(acc_dtype)
+        beta, gamma = (eps / num_classes) * valid.to(acc_dtype), 0.0
+
+    token = (
+        torch.ones((rows, positions), dtype=acc_dtype, device=device)
+        if call.token_weight is None
+        else call.token_weight.to(acc_dtype)
+    )
+    if call.reduction == "mean":
+        total = omega.sum()
+        normaliser = torch.where(total == 0, torch.nan, 1.0 / total)
+    else:
+        normaliser = torch.ones((), dtype=acc_dtype, device=device)
+    if grad_output is not None:
+        scale = token * grad_output.to(acc_dtype).reshape(rows, positions)
+    else:
+        # Ignored rows get exactly zero gradient, also when the normaliser is NaN
+        # (every row ignored): torch returns zero gradients there, not NaN.
+        scale = torch.where(valid, token * normaliser, 0.0)
+    return RowTerms(
+        target=target,
+        valid=valid,
+        alpha=alpha,
+        beta=beta,
+        gamma=gamma,
+        A=A,
+        zeta=call.z_loss * omega,
+        token=token,
+        scale=scale,
+        normaliser=normaliser,
+        class_weight=class_weight,
+    )
 
 
 class CrossEntropyHead:
@@ -96,35 +266,3 @@ class CrossEntropyHead:
             else:
                 e.addr_(r * beta, self.class_weight, alpha=-1.0)
         return e
-
-
-def run_cross_entropy(
-    call: Call,
-    plan: Plan,
-    *,
-    needs: tuple[bool, bool, bool] = (False, False, False),
-    grad_output: torch.Tensor | None = None,
-    vocab: LocalVocab | None = None,
-    num_classes: int | None = None,
-) -> tuple[RowTerms, CrossEntropyHead, Gradients]:
-    """The chunk loop on ``call`` with the cross-entropy head: its row coefficients, the
-    head (``row_loss``, ``lse``) and the gradients asked for by ``needs`` (input, weight,
-    bias). ``grad_output``, ``vocab`` and ``num_classes`` as in
-    :func:`~linear_ce.rows.row_terms` and :func:`~linear_ce.engine.chunk_loop.run_chunks`."""
-    vocab = vocab or LocalVocab()
-    terms = row_terms(call, plan.acc_dtype, grad_output=grad_output, num_classes=num_classes)
-    head = CrossEntropyHead(call, terms, vocab.start, call.linear_weight.shape[0])
-    need_x, need_w, need_b = needs
-    grads = run_chunks(
-        call.input,
-        call.linear_weight,
-        call.linear_bias,
-        head,
-        call.transform,
-        plan,
-        grad_input=need_x,
-        grad_weight=need_w,
-        grad_bias=need_b and call.linear_bias is not None,
-        vocab=vocab,
-    )
-    return terms, head, grads

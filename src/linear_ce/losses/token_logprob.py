@@ -44,7 +44,7 @@ import torch
 from linear_ce.engine.head import RowStats
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["TOP1_RULES", "TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
+__all__ = ["TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
 
 #: Vocabulary columns per step of the blocked row dot products (a small scratch).
 _BLOCK = 2048
@@ -52,42 +52,18 @@ _BLOCK = 2048
 #: through at once (256 KiB in fp32: its exponential and the tile's piece stay in L2).
 _PIECE_ELEMENTS = 1 << 16
 
-#: How ``top1`` treats a tie at the maximum (see the module docstring).
-TOP1_RULES = ("unique", "argmax")
-
 
 @dataclasses.dataclass(frozen=True)
 class TokenOutputs:
-    """Which optional per-token outputs a call computes besides ``logprob``.
-
-    ``encode()`` / ``decode()`` give the flat ``str`` form custom-op signatures take,
-    so a new output is one field here, not one argument per op.
-    """
+    """Which optional per-token outputs a call computes besides ``logprob`` (a group of
+    the op's arguments: a new output is one field here, not one argument per op).
+    ``top1_rule`` is one of :data:`linear_ce.checks.call.TOP1_RULES`."""
 
     entropy: bool = False
     top1: bool = False
     top1_rule: str = "unique"
     log_sum_sq_prob: bool = False
     mean_logit: bool = False
-
-    def encode(self) -> str:
-        """Comma-separated names of the outputs that are on (``top1`` with its rule)."""
-        names = [
-            name for name in ("entropy", "log_sum_sq_prob", "mean_logit") if getattr(self, name)
-        ]
-        if self.top1:
-            names.append(f"top1={self.top1_rule}")
-        return ",".join(names)
-
-    @classmethod
-    def decode(cls, text: str) -> TokenOutputs:
-        fields: dict[str, object] = {}
-        for name in filter(None, text.split(",")):
-            if name.startswith("top1="):
-                fields["top1"], fields["top1_rule"] = True, name.removeprefix("top1=")
-            else:
-                fields[name] = True
-        return cls(**fields)
 
 
 class TokenLogprobHead:
@@ -114,8 +90,6 @@ class TokenLogprobHead:
         grad_logprob: torch.Tensor | None = None,
         grad_entropy: torch.Tensor | None = None,
     ) -> None:
-        if outputs.top1_rule not in TOP1_RULES:
-            raise ValueError(f"top1_rule must be one of {TOP1_RULES}, got {outputs.top1_rule!r}")
         self.target, self.valid = target, valid
         self.start, self.local = vocab_start, local_classes
         self.num_classes = local_classes if num_classes is None else num_classes

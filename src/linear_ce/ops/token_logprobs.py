@@ -1,5 +1,6 @@
 """``linear_ce::token_rows``: per-token log-probability, entropy, top-1 and the other
-statistics of :class:`~linear_ce.losses.token_logprob.TokenOutputs` as a custom op.
+statistics of :class:`~linear_ce.losses.token_logprob.TokenOutputs` as a custom op, and
+the same on a vocab-parallel shard.
 
 Forward runs the chunk loop with :class:`~linear_ce.losses.token_logprob.TokenLogprobHead`
 and no gradient GEMM, and also returns each row's log-normaliser. The upstream gradients
@@ -10,229 +11,166 @@ state). Called with upstream gradients but without those statistics (as
 :func:`linear_ce.token_logprobs.token_logprobs_vjp` is), it reruns the chunk loop with
 them instead. An upstream gradient that does not flow (an output nobody differentiated)
 is ``None`` and costs nothing. ``log_sum_sq_prob`` and ``mean_logit`` are statistics
-without a gradient (marked non-differentiable).
+without a gradient (marked non-differentiable). :func:`token_logprobs_on_shard` runs the
+same bodies on a shard of the vocabulary.
 """
 
 from __future__ import annotations
 
-# Sequence, not list, in op signatures: torch 2.6's schema inference rejects list[float].
-from collections.abc import Sequence
+import dataclasses
+from typing import NamedTuple
 
 import torch
 
-from linear_ce.engine.chunk_loop import Gradients, run_chunks, tiles_for
-from linear_ce.engine.plan import acc_dtype_for, make_plan
+from linear_ce.checks.targets import check_class_indices
+from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
+from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
-from linear_ce.ops.cross_entropy import (
-    _gradient_outputs,
-    _options,
-    _vmap_by_loop,
-    check_class_indices,
-    recomputed_gradients,
-)
+from linear_ce.ops.autograd import Forward, OnVocab, gradient_outputs
+from linear_ce.ops.schema import OpSchema, PlanOptions
 
-__all__ = ["token_rows"]
+__all__ = [
+    "SCHEMA",
+    "TokenArguments",
+    "run_token_logprobs",
+    "token_gradients",
+    "token_logprobs_on_shard",
+    "token_rows",
+]
+
+_NAME = "token_logprobs"
 
 
-def _head_and_grads(
-    input,
-    linear_weight,
-    target,
-    linear_bias,
-    grad_logprob,
-    grad_entropy,
-    ignore_index,
-    transform,
-    outputs,
-    options,
-    needs,
-) -> tuple[TokenLogprobHead, Gradients]:
-    check_class_indices(target, ignore_index, linear_weight.shape[0], "token_logprobs")
-    acc = acc_dtype_for(input.dtype, options.acc_dtype)
-    transform = LogitTransform.from_list(transform)
+class TokenArguments(NamedTuple):
+    """The arguments of ``linear_ce::token_rows``: the rows ``(N, F)``, the head
+    ``(V, 1, F)`` and bias ``(V, 1)``, the token ids ``(N, 1)``; the upstream gradients of
+    ``logprob`` and ``entropy`` and the forward's ``row_stats`` (backward only); the
+    outputs asked for, how it runs, which gradients."""
+
+    input: torch.Tensor
+    linear_weight: torch.Tensor
+    linear_bias: torch.Tensor | None
+    target: torch.Tensor
+    grad_logprob: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
+    row_stats: torch.Tensor | None
+    ignore_index: int
+    transform: LogitTransform
+    outputs: TokenOutputs
+    options: PlanOptions
+    needs: Needs
+
+
+def run_token_logprobs(args: TokenArguments, vocab: Vocab) -> tuple[TokenLogprobHead, Gradients]:
+    """The chunk loop with the per-token head: its outputs and the gradients of the
+    upstream gradients in ``args`` (the input's summed over the vocabulary's shards)."""
+    check_class_indices(args.target, args.ignore_index, vocab.total, _NAME)
+    options = args.options.as_options()
     head = TokenLogprobHead(
-        target.long(),
-        target != ignore_index,
-        0,
-        linear_weight.shape[0],
-        acc,
-        outputs=outputs,
-        grad_logprob=grad_logprob,
-        grad_entropy=grad_entropy,
+        args.target.long(),
+        args.target != args.ignore_index,
+        vocab.start,
+        args.linear_weight.shape[0],
+        acc_dtype_for(args.input.dtype, options.acc_dtype),
+        outputs=args.outputs,
+        num_classes=vocab.total,
+        grad_logprob=args.grad_logprob,
+        grad_entropy=args.grad_entropy,
     )
-    rows, in_features = input.shape
-    plan = make_plan(
-        rows,
-        in_features,
-        linear_weight.shape[0],
-        input.dtype,
-        input.device,
-        options,
-        tiles=tiles_for(head.keeps_logits, transform, any(needs)),
-    )
-    need_x, need_w, need_b = needs
-    grads = run_chunks(
-        input,
-        linear_weight,
-        linear_bias,
+    grads = run_head(
+        args.input,
+        args.linear_weight,
+        args.linear_bias,
         head,
-        transform,
-        plan,
-        grad_input=need_x,
-        grad_weight=need_w,
-        grad_bias=need_b and linear_bias is not None,
+        args.transform,
+        options,
+        vocab,
+        args.needs,
     )
     return head, grads
 
 
-@torch.library.custom_op("linear_ce::token_rows", mutates_args=())
-def token_rows(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    linear_bias: torch.Tensor | None,
-    grad_logprob: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    row_stats: torch.Tensor | None,
-    ignore_index: int,
-    transform: Sequence[float],
-    outputs: str,
-    batch_chunk_size: int | None,
-    chunking_method: str | None,
-    acc_policy: str,
-    acc_dtype: torch.dtype | None,
-    need_grad_input: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-) -> tuple[
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-]:
+def token_gradients(args: TokenArguments, vocab: Vocab) -> Gradients:
+    """The gradients of ``args``'s upstream gradients: by the vocabulary pass from the
+    forward's ``row_stats``, else by rerunning the chunk loop."""
+    if args.row_stats is None:
+        return run_token_logprobs(args._replace(outputs=TokenOutputs()), vocab)[1]
+    # A direct token_logprobs_vjp call has had no forward to check its targets.
+    check_class_indices(args.target, args.ignore_index, vocab.total, _NAME)
+    head = TokenLogprobGradient(
+        args.target.long(),
+        args.target != args.ignore_index,
+        vocab.start,
+        args.row_stats,
+        args.grad_logprob,
+        args.grad_entropy,
+    )
+    grads = vocab_pass_gradients(
+        args.input,
+        args.linear_weight,
+        args.linear_bias,
+        head,
+        args.transform,
+        args.options.as_options(),
+        args.needs,
+    )
+    if grads.input is not None:
+        vocab.sum_(grads.input)
+    return grads
+
+
+def _outputs(head: TokenLogprobHead, asked: TokenOutputs, like: torch.Tensor):
+    """``(entropy, top1, log_sum_sq_prob, mean_logit)``, empty where not asked for."""
+
+    def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype) -> torch.Tensor:
+        return value if on else like.new_empty((0,), dtype=dtype)
+
+    acc = head.logprob.dtype
+    return (
+        given(head.entropy, asked.entropy, acc),
+        given(head.top1, asked.top1, torch.bool),
+        given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc),
+        given(head.mean_logit, asked.mean_logit, acc),
+    )
+
+
+def _kernel(args: TokenArguments) -> tuple[torch.Tensor, ...]:
     """Without upstream gradients: ``(logprob, row_stats, entropy, top1,
     log_sum_sq_prob, mean_logit)``, each ``(N, P)`` but ``row_stats`` ``(N, P, 3)``
-    (:attr:`TokenLogprobHead.row_stats`), those after it empty unless ``outputs``, a
-    :meth:`TokenOutputs.encode` string, asks for them, and three empty gradients. With
-    ``grad_logprob`` and/or ``grad_entropy`` ``(N, P)``: the six outputs empty and
-    their vector-Jacobian product for input, weight and bias in the last three slots,
-    by the vocabulary pass when the forward's ``row_stats`` are given, else by
-    rerunning the chunk loop."""
-    backward = grad_logprob is not None or grad_entropy is not None
-    needs = (
-        backward and need_grad_input,
-        backward and need_grad_weight,
-        backward and need_grad_bias,
-    )
-    options = _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype)
-    acc = acc_dtype_for(input.dtype, acc_dtype)
-
-    def empty(dtype: torch.dtype = acc) -> torch.Tensor:
-        return input.new_empty((0,), dtype=dtype)
-
-    if backward:
-        if row_stats is None:
-            grads = _head_and_grads(
-                input,
-                linear_weight,
-                target,
-                linear_bias,
-                grad_logprob,
-                grad_entropy,
-                ignore_index,
-                transform,
-                TokenOutputs(),
-                options,
-                needs,
-            )[1]
-        else:
-            # A direct token_logprobs_vjp call has had no forward to check its targets.
-            check_class_indices(target, ignore_index, linear_weight.shape[0], "token_logprobs")
-            head = TokenLogprobGradient(
-                target.long(), target != ignore_index, 0, row_stats, grad_logprob, grad_entropy
-            )
-            grads = vocab_pass_gradients(
-                input,
-                linear_weight,
-                linear_bias,
-                head,
-                LogitTransform.from_list(transform),
-                options,
-                needs,
-            )
-        return (
-            *(empty() for _ in range(3)),
-            empty(torch.bool),
-            empty(),
-            empty(),
-            *_gradient_outputs(grads, input),
-        )
-    asked = TokenOutputs.decode(outputs)
-    head, _ = _head_and_grads(
-        input,
-        linear_weight,
-        target,
-        linear_bias,
-        None,
-        None,
-        ignore_index,
-        transform,
-        asked,
-        options,
-        needs,
-    )
-
-    def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype = acc) -> torch.Tensor:
-        return value if on else empty(dtype)
-
+    (:attr:`TokenLogprobHead.row_stats`), those after it empty unless ``outputs`` asks
+    for them, and three empty gradients. With ``grad_logprob`` and/or ``grad_entropy``
+    ``(N, P)``: the six outputs empty and their vector-Jacobian product for input,
+    weight and bias in the last three slots (:func:`token_gradients`)."""
+    vocab = LocalVocab(args.linear_weight.shape[0])
+    if args.grad_logprob is not None or args.grad_entropy is not None:
+        grads = token_gradients(args, vocab)
+        acc = acc_dtype_for(args.input.dtype, args.options.acc_dtype)
+        dtypes = (acc, acc, acc, torch.bool, acc, acc)
+        empty = (args.input.new_empty((0,), dtype=dtype) for dtype in dtypes)
+        return *empty, *gradient_outputs(grads, args.input)
+    head, grads = run_token_logprobs(args._replace(needs=Needs(False, False, False)), vocab)
     return (
         head.logprob,
         head.row_stats,
-        given(head.entropy, asked.entropy),
-        given(head.top1, asked.top1, torch.bool),
-        given(head.log_sum_sq_prob, asked.log_sum_sq_prob),
-        given(head.mean_logit, asked.mean_logit),
-        *_gradient_outputs(Gradients(None, None, None), input),
+        *_outputs(head, args.outputs, args.input),
+        *gradient_outputs(grads, args.input),
     )
 
 
-@token_rows.register_fake
-def _token_rows_fake(
-    input,
-    linear_weight,
-    target,
-    linear_bias,
-    grad_logprob,
-    grad_entropy,
-    row_stats,
-    ignore_index,
-    transform,
-    outputs,
-    batch_chunk_size,
-    chunking_method,
-    acc_policy,
-    acc_dtype,
-    need_grad_input,
-    need_grad_weight,
-    need_grad_bias,
-):
-    acc = acc_dtype_for(input.dtype, acc_dtype)
-    backward = grad_logprob is not None or grad_entropy is not None
-    asked = TokenOutputs.decode(outputs)
+def _fake(args: TokenArguments) -> tuple[torch.Tensor, ...]:
+    input, weight, target = args.input, args.linear_weight, args.target
+    acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
+    backward = args.grad_logprob is not None or args.grad_entropy is not None
+    asked = args.outputs
 
     def rows_if(on: bool, dtype: torch.dtype = acc, extra: tuple[int, ...] = ()) -> torch.Tensor:
         shape = (*target.shape, *extra) if on and not backward else (0,)
         return input.new_empty(shape, dtype=dtype)
 
-    grad_shapes = (input.shape, linear_weight.shape, linear_weight.shape[:-1])
-    needs = (need_grad_input, need_grad_weight, need_grad_bias and linear_bias is not None)
+    grad_shapes = (input.shape, weight.shape, weight.shape[:-1])
     return (
         rows_if(True),
         rows_if(True, extra=(3,)),
@@ -242,50 +180,61 @@ def _token_rows_fake(
         rows_if(asked.mean_logit),
         *(
             input.new_empty(shape if backward and need else (0,))
-            for shape, need in zip(grad_shapes, needs, strict=True)
+            for shape, need in zip(grad_shapes, args.needs, strict=True)
         ),
     )
+
+
+SCHEMA = OpSchema(TokenArguments)
+token_rows = SCHEMA.define("token_rows", 9, _kernel, _fake)
 
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[4], output[5])
-    input, linear_weight, target, linear_bias = inputs[:4]
-    ctx.save_for_backward(
-        input.detach(),
-        linear_weight.detach(),
-        target,
-        None if linear_bias is None else linear_bias.detach(),
-        output[1],
-    )
-    ctx.args = inputs[7:14]
+    SCHEMA.save(ctx, SCHEMA.unflatten(inputs)._replace(row_stats=output[1]))
 
 
 def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, *_unused):
-    input, linear_weight, target, linear_bias, row_stats = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    need_input, need_weight = needs[0], needs[1]
-    need_bias = linear_bias is not None and needs[3]
-    result = [None] * 17
-    if (grad_logprob is None and grad_entropy is None) or not (
-        need_input or need_weight or need_bias
-    ):
-        return tuple(result)
-    outputs = token_rows(
-        input,
-        linear_weight,
-        target,
-        linear_bias,
-        None if grad_logprob is None else grad_logprob.contiguous(),
-        None if grad_entropy is None else grad_entropy.contiguous(),
-        row_stats,
-        *ctx.args,
-        need_input,
-        need_weight,
-        need_bias,
-    )
-    return recomputed_gradients(result, outputs, (need_input, need_weight, need_bias))
+    return SCHEMA.recompute(token_rows, ctx, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
 
 
 token_rows.register_autograd(_backward, setup_context=_setup_context)
-token_rows.register_vmap(_vmap_by_loop(token_rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnShard:
+    """The per-token bodies on a vocabulary shard (:class:`~linear_ce.ops.autograd.Run`)."""
+
+    args: TokenArguments
+    vocab: Vocab
+
+    def _on(self, input, weight, bias, **fields) -> TokenArguments:
+        return self.args._replace(input=input, linear_weight=weight, linear_bias=bias, **fields)
+
+    def forward(self, input, weight, bias) -> Forward:
+        head, _ = run_token_logprobs(self._on(input, weight, bias), self.vocab)
+        outputs = (head.logprob, *_outputs(head, self.args.outputs, input))
+        return Forward(outputs, saved=(head.row_stats,), statistics=(2, 3, 4))
+
+    def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
+        grad_logprob, grad_entropy = grad_outputs[:2]
+        if grad_logprob is None and grad_entropy is None:
+            return Gradients(None, None, None)
+        args = self._on(
+            input,
+            weight,
+            bias,
+            grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy,
+            row_stats=saved[0],
+            needs=needs,
+        )
+        return token_gradients(args, self.vocab)
+
+
+def token_logprobs_on_shard(args: TokenArguments, vocab: Vocab) -> tuple[torch.Tensor, ...]:
+    """``(logprob, entropy, top1, log_sum_sq_prob, mean_logit)`` of ``args`` on a
+    vocabulary shard ``vocab`` (unasked statistics empty); the same bodies as the op,
+    under :class:`OnVocab`."""
+    return OnVocab.apply(args.input, args.linear_weight, args.linear_bias, _OnShard(args, vocab))

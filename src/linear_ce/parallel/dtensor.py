@@ -5,7 +5,8 @@ parallelism, FSDP2, sequence parallelism, as torchtitan trains) as well as plain
 The placements of its arguments say, per mesh dimension, what runs:
 
 - the head (weight and bias) ``Shard(0)``: the vocabulary is split over that dimension's
-  group and the call runs vocab-parallel (:mod:`linear_ce.distributed`, its collectives);
+  group and the call runs vocab-parallel (the function's vocab-parallel front,
+  :mod:`linear_ce.distributed`, with its collectives);
 - the input ``Shard(k)``, ``k`` a batch or sequence dimension, with a replicated head: the
   rows are split; every rank runs its own rows, and each scalar result (a ``"sum"``, a
   ``"mean"`` as global sum over global denominator) is summed over the dimension by one
@@ -33,8 +34,8 @@ The hook: a public function is decorated once, naming the roles of its arguments
         rows=("input", "target", "token_weight"),
         heads=("linear_weight", "linear_bias"),
         whole=("weight",),
-        vocab_parallel="vocab_parallel_linear_cross_entropy",
-        mean=_mean_denominator,
+        vocab_parallel=vocab_parallel_linear_cross_entropy,
+        mean=_weight_total,
     )
     def linear_cross_entropy(input, linear_weight, target, *, ...): ...
 
@@ -84,16 +85,16 @@ class _Roles:
     ``rows``: ``(*batch, ...)`` arguments, the first of them the input whose placements
     split the rows; ``per_token_keywords``: the function's ``**kwargs`` are such arguments
     too. ``heads``: ``(V, ...)`` arguments, split along the vocabulary together. ``whole``:
-    arguments every rank needs whole (class weights). ``vocab_parallel``: the name of the
-    :mod:`linear_ce.distributed` function for a vocabulary-split head. ``mean``: the local
-    denominator of ``reduction="mean"``, for functions with a ``reduction`` argument.
+    arguments every rank needs whole (class weights). ``vocab_parallel``: the function's
+    vocab-parallel front, for a vocabulary-split head. ``mean``: the local denominator of
+    ``reduction="mean"``, for functions with a ``reduction`` argument.
     """
 
     rows: tuple[str, ...]
     heads: tuple[str, ...]
     whole: tuple[str, ...]
     per_token_keywords: bool
-    vocab_parallel: str | None
+    vocab_parallel: Callable[..., Any] | None
     mean: MeanDenominator | None
 
 
@@ -103,7 +104,7 @@ def accepts_dtensors(
     heads: tuple[str, ...],
     whole: tuple[str, ...] = (),
     per_token_keywords: bool = False,
-    vocab_parallel: str | None = None,
+    vocab_parallel: Callable[..., Any] | None = None,
     mean: MeanDenominator | None = None,
 ) -> Callable[[FunctionT], FunctionT]:
     """Let a public function take DTensor arguments (see the module doc for the rules).
@@ -113,9 +114,10 @@ def accepts_dtensors(
         heads: names of the vocabulary-major arguments (weight, bias).
         whole: names of the arguments every rank needs whole (class weights).
         per_token_keywords: the function's ``**kwargs`` are per-token tensors too.
-        vocab_parallel: the :mod:`linear_ce.distributed` function that runs a head split
-            along the vocabulary, taking the same arguments plus ``process_group``,
-            ``vocab_start`` and ``num_classes``; ``None``: such a head is an error.
+        vocab_parallel: the function that runs a head split along the vocabulary (the
+            vocab-parallel front of :mod:`linear_ce.distributed`), taking the same
+            arguments plus ``process_group``, ``vocab_start`` and ``num_classes``;
+            ``None``: such a head is an error.
         mean: the local denominator of ``reduction="mean"``, for a function with a
             ``reduction`` argument; its rows split over ranks then run ``"sum"``, and the
             scalar results are divided by the global denominator.
@@ -284,7 +286,9 @@ def _vocab_dim(
     return vocab_dims[0] if vocab_dims else None
 
 
-def _layout(name: str, mesh: DeviceMesh, roles: _Roles, arguments: Mapping[str, Any]) -> _Layout:
+def _mesh_layout(
+    name: str, mesh: DeviceMesh, roles: _Roles, arguments: Mapping[str, Any]
+) -> _Layout:
     vocab_dim = _vocab_dim(name, mesh, roles, arguments)
     input_arg = roles.rows[0]
     value = arguments[input_arg]
@@ -354,7 +358,7 @@ def _to_rows(value: torch.Tensor, layout: _Layout) -> torch.Tensor:
     return value.to_local()
 
 
-def _whole(value: torch.Tensor | None) -> torch.Tensor | None:
+def _full_tensor(value: torch.Tensor | None) -> torch.Tensor | None:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
@@ -487,8 +491,6 @@ def _runner(
             f"{head_arg} is split along the vocabulary (Shard(0) on "
             f"{_mesh_dim(mesh, layout.vocab_dim)}), which {name} does not support; replicate it",
         )
-    from linear_ce import distributed
-
     vocab_start, num_classes = _vocab_slice(
         name, mesh, layout.vocab_dim, arguments[head_arg], head_arg
     )
@@ -497,7 +499,7 @@ def _runner(
         vocab_start=vocab_start,
         num_classes=num_classes,
     )
-    return _Runner(getattr(distributed, roles.vocab_parallel), keywords, num_classes)
+    return _Runner(roles.vocab_parallel, keywords, num_classes)
 
 
 def _local_arguments(
@@ -515,7 +517,7 @@ def _local_arguments(
     if per_token:
         local[keywords_name] = {k: _to_rows(v, layout) for k, v in per_token.items()}
     for arg in roles.whole:
-        local[arg] = _whole(local.get(arg))
+        local[arg] = _full_tensor(local.get(arg))
     for arg in roles.heads:
         head = local.get(arg)
         if isinstance(head, DTensor):
@@ -562,7 +564,7 @@ def _on_mesh(
     mesh = _common_mesh(name, tensors)
     _check_devices(name, mesh, tensors)
     _check_placement_kinds(name, mesh, tensors)
-    layout = _layout(name, mesh, roles, arguments)
+    layout = _mesh_layout(name, mesh, roles, arguments)
     runner = _runner(name, function, roles, arguments, layout)
 
     local = _local_arguments(arguments, roles, layout, keywords_name, per_token)

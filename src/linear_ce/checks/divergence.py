@@ -1,0 +1,180 @@
+"""Argument checking of a distillation call: the student's head as a per-token call, the
+teacher's checked against it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from linear_ce.checks.call import Call, check_softcap, check_token_call
+from linear_ce.engine.plan import acc_dtype_for
+from linear_ce.engine.transform import LogitTransform, check_scales
+
+__all__ = ["DivergenceCall", "check_divergence_call", "check_teacher"]
+
+
+def check_teacher(
+    call: Call,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    batch: tuple[int, ...],
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The teacher's tensors, checked against the student's ``call`` and reshaped to rows:
+    ``(N, F_t)``, ``(V, 1, F_t)``, ``(V, 1)``; detached (the teacher gets no gradient)."""
+
+    def fail(message: str):
+        raise ValueError(f"{name}: {message}")
+
+    for label, value in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
+        if not isinstance(value, torch.Tensor):
+            fail(f"{label} must be a Tensor, got {type(value).__name__}")
+    if teacher_bias is not None and not isinstance(teacher_bias, torch.Tensor):
+        fail(f"teacher_bias must be a Tensor or None, got {type(teacher_bias).__name__}")
+    if teacher_weight.dim() != 2:
+        fail(
+            f"teacher_weight must have shape (V, teacher_features), got {tuple(teacher_weight.shape)}"
+        )
+    classes, features = teacher_weight.shape
+    student_classes = call.weight_shape[0]
+    if classes != student_classes:
+        fail(
+            f"student and teacher must share the vocabulary (the same shard of it when "
+            f"vocab-parallel): student_weight has {student_classes} classes, teacher_weight "
+            f"{classes}"
+        )
+    if tuple(teacher_input.shape) != (*batch, features):
+        fail(
+            f"teacher_input must have shape {(*batch, features)} (the student input's batch "
+            f"shape, then teacher_weight's {features} features), got {tuple(teacher_input.shape)}"
+        )
+    if not teacher_input.is_floating_point() or teacher_input.dtype != teacher_weight.dtype:
+        fail(
+            f"teacher_input and teacher_weight must be floating tensors of one dtype, got "
+            f"{teacher_input.dtype} and {teacher_weight.dtype}"
+        )
+    if teacher_bias is not None:
+        if tuple(teacher_bias.shape) != (classes,):
+            fail(f"teacher_bias must have shape ({classes},), got {tuple(teacher_bias.shape)}")
+        if teacher_bias.dtype != teacher_weight.dtype:
+            fail(
+                f"teacher_bias dtype {teacher_bias.dtype} differs from teacher_weight's "
+                f"{teacher_weight.dtype}"
+            )
+    device = call.input.device
+    for label, value in (
+        ("teacher_input", teacher_input),
+        ("teacher_weight", teacher_weight),
+        ("teacher_bias", teacher_bias),
+    ):
+        if value is not None and value.device != device:
+            fail(f"{label} is on {value.device}, the student's input on {device}")
+    student_acc = acc_dtype_for(call.input.dtype, None)
+    teacher_acc = acc_dtype_for(teacher_input.dtype, None)
+    if student_acc != teacher_acc:
+        fail(
+            f"the teacher's dtype {teacher_input.dtype} computes in {teacher_acc}, the "
+            f"student's {call.input.dtype} in {student_acc}; cast the teacher to the student's dtype"
+        )
+    rows = call.input.shape[0]
+    return (
+        teacher_input.detach().reshape(rows, features),
+        teacher_weight.detach().reshape(classes, 1, features),
+        None if teacher_bias is None else teacher_bias.detach().reshape(classes, 1),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergenceCall:
+    """A checked distillation call: the student's :class:`~linear_ce.checks.call.Call`
+    (rows, target, transform), the teacher's ``(input, weight, bias)`` in rows and its
+    transform, and the scalar options (``return_entropy``: also the student's entropy)."""
+
+    call: Call
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    teacher_transform: LogitTransform
+    beta: float
+    hard_weight: float
+    reduction: str
+    return_entropy: bool
+
+
+def check_divergence_call(
+    name: str,
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    *,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    beta: float,
+    temperature: float,
+    student_logit_scale: float,
+    teacher_logit_scale: float,
+    student_softcap: float | None,
+    teacher_softcap: float | None,
+    ignore_index: int,
+    shift: bool | int,
+    reduction: str,
+    hard_weight: float,
+    return_entropy: bool = False,
+    num_classes: int | None = None,
+) -> DivergenceCall:
+    """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
+    vocabulary when the heads are vocab-parallel shards."""
+
+    def fail(message: str):
+        raise ValueError(f"{name}: {message}")
+
+    def real(label: str, value: object, low: float, high: float) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
+        if not low <= value <= high or math.isnan(value):
+            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    if not isinstance(student_input, torch.Tensor):
+        fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
+    beta = real("beta", beta, 0.0, 1.0)
+    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
+    if math.isinf(hard_weight):
+        fail("hard_weight must be finite")
+    if reduction not in ("mean", "sum", "none"):
+        fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if hard_weight > 0.0 and target is None:
+        fail("hard_weight > 0 needs target (the hard labels)")
+    if not isinstance(return_entropy, bool):
+        fail(f"return_entropy must be a bool, got {return_entropy!r}")
+    check_softcap(teacher_softcap)
+    check_scales(name, teacher_logit_scale, temperature)
+    batch = tuple(student_input.shape[:-1])
+    if target is None:
+        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
+    call = check_token_call(
+        name,
+        student_input,
+        student_weight,
+        target,
+        linear_bias=student_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=student_logit_scale,
+        softcap=student_softcap,
+        flags={},
+        num_classes=num_classes,
+    )
+    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
+    teacher_transform = LogitTransform(
+        float(teacher_logit_scale),
+        None if teacher_softcap is None else float(teacher_softcap),
+        float(temperature),
+    )
+    return DivergenceCall(
+        call, teacher, teacher_transform, beta, hard_weight, reduction, return_entropy
+    )

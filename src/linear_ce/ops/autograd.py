@@ -1,0 +1,172 @@
+"""How the ops' gradients reach autograd.
+
+A scalar loss (``"mean"``, ``"sum"``, an objective's total) has one upstream gradient,
+a scalar, so its gradients are formed in forward, in the same pass as the loss, and
+backward hands them over scaled (:func:`keep_gradients`, :func:`hand_over`). Per-row
+outputs get their upstream gradients only in backward, which recomputes (the op again,
+or the vocabulary pass).
+
+:class:`OnVocab` is the autograd node of the calls a custom op cannot take: a
+vocab-parallel shard (a process group) or an objective (a Python callable). It runs a
+family's forward and backward bodies, the same ones its custom op runs, on any
+:class:`~linear_ce.engine.vocab.Vocab`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.autograd.function import once_differentiable
+
+from linear_ce.engine.chunk_loop import Gradients, Needs
+
+__all__ = [
+    "Forward",
+    "OnVocab",
+    "Run",
+    "gradient_outputs",
+    "hand_over",
+    "hand_over_gradients",
+    "keep_gradients",
+]
+
+
+def gradient_outputs(grads: Gradients, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The three gradient slots of an op's result; an op cannot return ``None``, so a
+    gradient that was not computed is an empty tensor."""
+    return tuple(
+        like.new_empty((0,)) if g is None else g for g in (grads.input, grads.weight, grads.bias)
+    )
+
+
+def keep_gradients(
+    ctx: Any,
+    grads: Sequence[torch.Tensor | None],
+    needs: Needs,
+    allow_retain_graph: bool,
+) -> None:
+    """Keep the gradients (input, weight, bias) a scalar loss formed in forward for
+    :func:`hand_over`."""
+    # Unused outputs (a z-loss, lse, the stored gradients) must not get zero-filled
+    # gradients: for grad_weight that is a (V, F) allocation and fill per backward.
+    ctx.set_materialize_grads(False)
+    ctx.needs, ctx.allow_retain_graph = needs, allow_retain_graph
+    # Detached: the stored gradients are outputs of this node; keeping them
+    # attached would make node -> ctx -> tensor -> grad_fn -> node a cycle.
+    ctx.grads = [
+        None if g is None or not need else g.detach() for g, need in zip(grads, needs, strict=True)
+    ]
+
+
+def hand_over(ctx: Any, grad_loss: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The gradients :func:`keep_gradients` kept, scaled by ``grad_loss``."""
+    if grad_loss is None:
+        return (None, None, None)
+    return tuple(hand_over_gradients(ctx, ctx.needs, grad_loss, ctx.allow_retain_graph))
+
+
+def hand_over_gradients(
+    ctx: Any, needs: tuple[bool, ...], grad_loss: torch.Tensor, allow_retain_graph: bool
+) -> list[torch.Tensor | None]:
+    """The gradients stored in ``ctx.grads`` by forward, scaled by the scalar upstream
+    gradient. Without ``allow_retain_graph`` the stored buffers are scaled in place and
+    released, so a second backward raises instead of returning wrong numbers."""
+    stored = ctx.grads
+    if any(need and g is None for g, need in zip(stored, needs, strict=True)):
+        raise RuntimeError(
+            "linear_cross_entropy: backward ran twice through a graph whose gradients were "
+            "already handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) "
+            "to backward more than once"
+        )
+    # A traced backward (AOT autograd) cannot express handing a forward output over
+    # mutated in place; there the copy is the only correct choice. Its tensors are
+    # functional wrappers, which is_fake does not see through on torch 2.5 and 2.6.
+    traced = is_fake(grad_loss) or isinstance(grad_loss, FunctionalTensor)
+    in_place = not allow_retain_graph and not traced
+    if not allow_retain_graph:
+        ctx.grads = [None] * len(stored)
+    return [
+        None
+        if g is None
+        else g.mul_(grad_loss.to(g.dtype))
+        if in_place
+        else g * grad_loss.to(g.dtype)
+        for g in stored
+    ]
+
+
+class Forward(NamedTuple):
+    """What a :class:`Run`'s forward gives :class:`OnVocab`: its ``outputs``; the
+    ``gradients`` it formed (a scalar loss), handed over in backward, or ``None`` (then
+    backward recomputes, reading the three tensors and ``saved``); and the positions of
+    the outputs that are statistics, without a gradient."""
+
+    outputs: tuple[torch.Tensor, ...]
+    gradients: Gradients | None = None
+    saved: tuple[torch.Tensor, ...] = ()
+    statistics: tuple[int, ...] = ()
+
+
+class Run(Protocol):
+    """A family's forward and backward bodies on one call, for :class:`OnVocab`: a run
+    whose forward forms the gradients has the ``needs`` and ``allow_retain_graph`` of
+    their hand-over and no ``backward``; any other has ``backward``."""
+
+    needs: Needs
+    allow_retain_graph: bool
+
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> Forward:
+        """The outputs of the call on these tensors (see :class:`Forward`)."""
+
+    def backward(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        saved: tuple[torch.Tensor, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+        needs: Needs,
+    ) -> Gradients:
+        """The gradients ``needs`` asks for, from the upstream ``grad_outputs``."""
+
+
+class OnVocab(torch.autograd.Function):
+    """``(input, weight, bias)`` → ``run``'s outputs, with ``run``'s gradients."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, run: Run):
+        result = run.forward(input, weight, bias)
+        ctx.run, ctx.formed = run, result.gradients is not None
+        if ctx.formed:
+            grads = result.gradients
+            keep_gradients(
+                ctx, (grads.input, grads.weight, grads.bias), run.needs, run.allow_retain_graph
+            )
+        else:
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(
+                input.detach(),
+                weight.detach(),
+                None if bias is None else bias.detach(),
+                *result.saved,
+            )
+        ctx.mark_non_differentiable(*(result.outputs[i] for i in result.statistics))
+        return result.outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs):
+        if ctx.formed:
+            return (*hand_over(ctx, grad_outputs[0]), None)
+        input, weight, bias, *saved = ctx.saved_tensors
+        needs = Needs.asked(ctx, bias)
+        if not any(needs):
+            return None, None, None, None
+        grads = ctx.run.backward(input, weight, bias, tuple(saved), grad_outputs, needs)
+        return grads.input, grads.weight, grads.bias, None
