@@ -366,6 +366,7 @@ def vocab_parallel_linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
         num_classes=num_classes,
+        name=_NAME,
     )
     check_scales(_NAME, logit_scale, temperature)
     call = with_scales(call, logit_scale, temperature)

@@ -7,16 +7,25 @@ import math
 
 import torch
 
-from linear_ce.arguments import Call, check_softcap, check_token_call
+from linear_ce.arguments import Call, Caller, check_scale, check_softcap, check_token_call
 from linear_ce.dtensor import accepts_dtensors
 from linear_ce.ops_divergence import divergence
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.plan import acc_dtype_for
-from linear_ce.transform import LogitTransform, check_scales
+from linear_ce.transform import LogitTransform
 
 __all__ = ["DivergenceCall", "check_divergence_call", "check_teacher", "linear_divergence"]
 
 _NAME = "linear_divergence"
+# The student's head goes through the checks of a per-token call, whose arguments are
+# named for a single head; errors call them by the names linear_divergence gives them.
+_STUDENT_NAMES = {
+    "input": "student_input",
+    "linear_weight": "student_weight",
+    "linear_bias": "student_bias",
+    "softcap": "student_softcap",
+    "logit_scale": "student_logit_scale",
+}
 
 
 def check_teacher(
@@ -153,8 +162,8 @@ def check_divergence_call(
         fail("hard_weight > 0 needs target (the hard labels)")
     if not isinstance(return_entropy, bool):
         fail(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_softcap(teacher_softcap)
-    check_scales(name, teacher_logit_scale, temperature)
+    check_softcap(Caller(name), teacher_softcap, "teacher_softcap")
+    check_scale(Caller(name), "teacher_logit_scale", teacher_logit_scale)
     batch = tuple(student_input.shape[:-1])
     if target is None:
         target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
@@ -171,6 +180,7 @@ def check_divergence_call(
         softcap=student_softcap,
         flags={},
         num_classes=num_classes,
+        renamed=_STUDENT_NAMES,
     )
     teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
     teacher_transform = LogitTransform(

@@ -92,7 +92,7 @@ def _check_targets(call: Call, num_classes: int | None = None) -> None:
         return
     if num_classes is None:
         num_classes = call.linear_weight.shape[0]
-    check_class_indices(call.target, call.ignore_index, num_classes)
+    check_class_indices(call.target, call.ignore_index, num_classes, call.name)
 
 
 def _options(batch_chunk_size, chunking_method, acc_policy, acc_dtype) -> LinearCrossEntropyOptions:
