@@ -37,11 +37,18 @@ __all__ = ["check_sparse_targets", "run_sparse_divergence", "sparse_divergence_o
 _NAME = "sparse_divergence"
 
 
+#: The least allowance of ``_sum_tolerance``: log-probabilities computed in a coarser
+#: dtype than they are stored in (an fp32 softmax kept as fp64 sums to 1 ± k·6e-8) are
+#: log-probabilities all the same; logits, the mistake the check is for, overshoot by far more.
+_MIN_SUM_TOLERANCE = 1e-3
+
+
 def _sum_tolerance(dtype: torch.dtype, k: int) -> float:
     """How far above 1 the stored probabilities of one position may sum. Rounding a
     log-probability ``l`` to ``dtype`` moves ``e^l`` by at most ``|l| e^l eps/2``, and over
-    ``k`` slots of total mass at most 1, ``sum |l| e^l <= log k + 1/e``: twice that bound."""
-    return torch.finfo(dtype).eps * (math.log(k) + 1.0)
+    ``k`` slots of total mass at most 1, ``sum |l| e^l <= log k + 1/e``: twice that bound,
+    and at least ``_MIN_SUM_TOLERANCE``."""
+    return max(torch.finfo(dtype).eps * (math.log(k) + 1.0), _MIN_SUM_TOLERANCE)
 
 
 def check_sparse_targets(

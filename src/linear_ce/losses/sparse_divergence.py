@@ -239,9 +239,7 @@ class SparseDivergenceHead:
         if self.mode == "forward":
             divergence = late[:, 0]
             if teacher.rest:
-                divergence = divergence + torch.where(
-                    r_t > 0, r_t * (r_t.log() - log_rs), 0.0
-                )
+                divergence = divergence + torch.where(r_t > 0, r_t * (r_t.log() - log_rs), 0.0)
         elif self.mode == "reverse":
             self.d_rest = log_rs - r_t.log()
             divergence = late[:, 0] + torch.where(self.has_rest, r_s * self.d_rest, 0.0)
