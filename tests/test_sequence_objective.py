@@ -14,6 +14,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import linear_ce
 import linear_ce.objectives as obj
@@ -556,3 +558,80 @@ def test_empty_batch_is_an_error():
             torch.zeros(0, 4, dtype=torch.long),
             lambda b: -b.logprob,
         )
+
+
+@st.composite
+def _packed_batches(draw):
+    """A packed row of random sequences (lengths 1..9, some tokens ignored, some spare
+    tokens between them), random group ids, a random chunk size and shift."""
+    sequences = draw(st.integers(1, 7))
+    lengths = draw(st.lists(st.integers(2, 9), min_size=sequences, max_size=sequences))
+    spare = draw(st.lists(st.integers(0, 2), min_size=sequences, max_size=sequences))
+    ids = []
+    for s, (n, k) in enumerate(zip(lengths, spare, strict=True)):
+        ids += [s] * n + [-1] * k
+    groups = draw(st.lists(st.integers(0, 3), min_size=sequences, max_size=sequences))
+    seed = draw(st.integers(0, 2**16))
+    chunk = draw(st.integers(1, 40))
+    shift = draw(st.integers(0, 1))
+    return torch.tensor(ids), torch.tensor(groups), seed, chunk, shift
+
+
+@given(case=_packed_batches())
+@settings(max_examples=40)
+def test_random_packed_layouts_and_groups(case):
+    """Any packing, any grouping, any chunk size (fused or four-GEMM): the formula's loss
+    and gradients, the objective seeing each group whole, once."""
+    ids, group, seed, chunk, shift = case
+    g = torch.Generator().manual_seed(seed)
+    n, feat, classes = ids.numel(), 4, 13
+    t = torch.randint(0, classes, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = -100
+    length = n
+    labels = torch.full_like(t, -100)
+    labels[: length - shift] = t[shift:]
+    same = torch.zeros(n, dtype=torch.bool)
+    same[: length - shift] = ids[: length - shift] == ids[shift:]
+    scored = (labels != -100) & (ids >= 0) & same
+    counts = torch.bincount(ids[scored], minlength=int(ids.max()) + 1)
+    assume(bool((counts > 0).all()))
+    x = torch.randn(n, feat, generator=g, dtype=torch.float64)
+    W = torch.randn(classes, feat, generator=g, dtype=torch.float64)
+    weights = torch.rand(group.numel(), generator=g, dtype=torch.float64) + 0.5
+    seen = []
+
+    def objective(batch):
+        members = batch.group.tolist()
+        seen.append(batch.side["c"].tolist())
+        assert members == sorted(members)
+        mean = batch.logprob / batch.length
+        return batch.sum_groups(torch.logsumexp(torch.stack([mean, batch.side["c"] * mean]), 0))
+
+    leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    out = linear_ce.sequence_objective(
+        *leaves,
+        t,
+        objective,
+        sequence=ids,
+        group=group,
+        shift=shift,
+        c=weights,
+        options=LinearCrossEntropyOptions(batch_chunk_size=chunk),
+    )
+    grads = torch.autograd.grad(out.loss, leaves)
+    # Each group once, its members together; groups in ascending id order.
+    order = sorted(range(group.numel()), key=lambda s: (int(group[s]), s))
+    assert [c for part in seen for c in part] == weights[order].tolist()
+
+    rx, rW = x.clone().requires_grad_(), W.clone().requires_grad_()
+    lp_tok, _, scored_ref = ref.token_terms(rx, rW, None, t, ids, shift=shift)
+    assert torch.equal(scored_ref, scored)
+    lp = ref.per_sequence(lp_tok, ids, scored, group.numel())
+    mean = lp / counts
+    per_sequence = torch.logsumexp(torch.stack([mean, weights * mean]), 0)
+    want = torch.stack([per_sequence[group == gid].sum() for gid in group.unique()]).mean()
+    want_grads = torch.autograd.grad(want, [rx, rW])
+    bound = 16 * eps(torch.float64)  # as test_matches_plain_formula
+    assert rel_err(out.loss, want) <= bound
+    for got, w in zip(grads, want_grads, strict=True):
+        assert rel_err(got, w) <= bound
