@@ -61,6 +61,7 @@ from linear_ce.losses.cross_entropy import CrossEntropyHead, run_cross_entropy
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
 from linear_ce.ops import _check_targets, hand_over_gradients
 from linear_ce.ops_divergence import run_divergence, scalar_row_weight
+from linear_ce.ops_token import refuse_statistic_gradients
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.output import LinearCrossEntropyOutput
 from linear_ce.plan import Plan, acc_dtype_for, make_plan
@@ -458,15 +459,21 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         top1 = given(head.top1, asked.top1, torch.bool)
         sq = given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc)
         mean = given(head.mean_logit, asked.mean_logit, acc)
-        ctx.mark_non_differentiable(top1, sq, mean)
+        # sq and mean stay in the graph: differentiating them is refused in backward.
+        ctx.mark_non_differentiable(top1)
         ctx.set_materialize_grads(False)
         return head.logprob, entropy, top1, sq, mean
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprob, grad_entropy, *_statistics):
+    def backward(ctx, grad_logprob, grad_entropy, _grad_top1, grad_sq, grad_mean):
         spec: _TokenSpec = ctx.spec
         input, weight, bias, row_stats = ctx.saved_tensors
+        row_stats = refuse_statistic_gradients(
+            "vocab_parallel_token_logprobs",
+            {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean},
+            row_stats,
+        )
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None

@@ -10,7 +10,8 @@ state). Called with upstream gradients but without those statistics (as
 :func:`linear_ce.token_logprobs.token_logprobs_vjp` is), it reruns the chunk loop with
 them instead. An upstream gradient that does not flow (an output nobody differentiated)
 is ``None`` and costs nothing. ``log_sum_sq_prob`` and ``mean_logit`` are statistics
-without a gradient (marked non-differentiable).
+without a gradient: they stay in the graph so that differentiating one is an error
+(:func:`refuse_statistic_gradients`), not a gradient dropped in silence.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from linear_ce.plan import acc_dtype_for, make_plan
 from linear_ce.transform import LogitTransform
 from linear_ce.vocab_pass import vocab_pass_gradients
 
-__all__ = ["token_rows"]
+__all__ = ["refuse_statistic_gradients", "token_rows"]
 
 
 def _head_and_grads(
@@ -247,9 +248,52 @@ def _token_rows_fake(
     )
 
 
+def _statistic_message(function: str, statistic: str) -> str:
+    return (
+        f"{function}: {statistic} is a statistic without a gradient, and it is part of the "
+        f"graph being differentiated: its gradient would be lost. Differentiate logprob "
+        f"and entropy only; use {statistic}.detach() where it enters a loss"
+    )
+
+
+@torch.library.custom_op("linear_ce::statistic_gradient_check", mutates_args=())
+def _statistic_gradient_check(grad: torch.Tensor, function: str, statistic: str) -> torch.Tensor:
+    """A zero scalar, or an error if ``grad`` (a statistic's upstream gradient) is
+    nonzero anywhere: the check of :func:`refuse_statistic_gradients` in a compiled
+    backward, run when the backward runs (one host synchronisation per backward)."""
+    if bool(grad.ne(0).any()):
+        raise RuntimeError(_statistic_message(function, statistic))
+    return grad.new_zeros(())
+
+
+@_statistic_gradient_check.register_fake
+def _statistic_gradient_check_fake(grad, function, statistic):
+    return grad.new_empty(())
+
+
+def refuse_statistic_gradients(
+    function: str, grads: dict[str, torch.Tensor | None], keep: torch.Tensor
+) -> torch.Tensor:
+    """Raises if a statistic (``log_sum_sq_prob``, ``mean_logit``) got an upstream
+    gradient in ``grads``; returns ``keep``, a tensor the backward goes on to use.
+
+    Eagerly a statistic's gradient is ``None`` unless it is in the differentiated graph.
+    A compiled backward gets one for every output of the compiled graph (zeros where
+    nobody differentiated it), so there the check is an op that runs with the backward
+    and raises on a nonzero gradient; its zero is added to ``keep`` so the compiler
+    keeps it."""
+    for statistic, grad in grads.items():
+        if grad is None:
+            continue
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(_statistic_message(function, statistic))
+        keep = keep + _statistic_gradient_check(grad, function, statistic)
+    return keep
+
+
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[1], output[4], output[5])
+    ctx.mark_non_differentiable(output[1])
     input, linear_weight, target, linear_bias = inputs[:4]
     ctx.save_for_backward(
         input.detach(),
@@ -261,8 +305,11 @@ def _setup_context(ctx, inputs, output):
     ctx.args = inputs[7:14]
 
 
-def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, *_unused):
+def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, _grad_top1, grad_sq, grad_mean, *_):
     input, linear_weight, target, linear_bias, row_stats = ctx.saved_tensors
+    row_stats = refuse_statistic_gradients(
+        "token_logprobs", {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean}, row_stats
+    )
     needs = ctx.needs_input_grad
     need_input, need_weight = needs[0], needs[1]
     need_bias = linear_bias is not None and needs[3]

@@ -31,6 +31,7 @@ class _Spec:
     side: dict[str, torch.Tensor]
     options: LinearCrossEntropyOptions
     needs: tuple[bool, bool, bool]
+    grad_mode: bool
     vocab: LocalVocab
     planned_classes: int
 
@@ -57,6 +58,8 @@ class _TokenObjective(torch.autograd.Function):
             entropy=spec.entropy,
             side=spec.side,
             name=spec.name,
+            grad_mode=spec.grad_mode,
+            differentiate=any(spec.needs),
         )
         rows, in_features = input.shape
         plan = make_plan(
@@ -265,6 +268,7 @@ def objective_loss(
             grad_on and call.linear_weight.requires_grad,
             grad_on and call.linear_bias is not None and call.linear_bias.requires_grad,
         ),
+        grad_mode=grad_on,
         vocab=LocalVocab() if vocab is None else vocab,
         planned_classes=call.linear_weight.shape[0] if planned_classes is None else planned_classes,
     )
