@@ -29,10 +29,15 @@ test: $(STAMP)
 # CPU-only machine too. PYENV_VERSION lets pyenv's shims find a Python that is not
 # the active one; without pyenv, python3.X must be on PATH. The editable install is
 # redone before every run, so an environment reused from another clone tests this tree.
+# The rows run one after another, each installed just before its suite (never two
+# suites at once, also under `make -j`: on a small machine the multi-process tests of
+# two suites sharing the cores time out), and every row runs whatever the others did.
+# One row alone: `make test-matrix MATRIX=2.6.0:4.46.3:3.10`; install one ahead of
+# time: `make .venv-matrix/2.6.0-4.46.3-3.10/.installed`.
 MATRIX_DIR ?= .venv-matrix
 MATRIX ?= 2.6.0:4.46.3:3.10 2.11.0:4.57.6:3.11 2.14.1:5.24.0:3.11
 MATRIX_ENVS := $(subst :,-,$(MATRIX))
-MATRIX_PYTEST_ARGS ?= -q -x -p no:cacheprovider
+MATRIX_PYTEST_ARGS ?= -q -p no:cacheprovider
 pin = $(word $(2),$(subst -, ,$(1)))
 
 $(MATRIX_DIR)/%/.installed: pyproject.toml
@@ -41,11 +46,12 @@ $(MATRIX_DIR)/%/.installed: pyproject.toml
 	$(@D)/bin/python -m pip install -q "torch==$(call pin,$*,1)" "transformers==$(call pin,$*,2)" -e ".[dev]"
 	touch $@
 
-test-matrix: $(foreach env,$(MATRIX_ENVS),$(MATRIX_DIR)/$(env)/.installed)
+test-matrix:
 	failed=""; \
 	for env in $(MATRIX_ENVS); do \
-		echo "== torch, transformers, python: $$env"; \
-		$(MATRIX_DIR)/$$env/bin/python -m pip install -q --no-deps -e . \
+		echo "== torch, transformers, python: $$env ($$(git rev-parse --short HEAD 2>/dev/null), $$(date -u +%FT%TZ))"; \
+		$(MAKE) --no-print-directory MATRIX_DIR=$(MATRIX_DIR) $(MATRIX_DIR)/$$env/.installed \
+			&& $(MATRIX_DIR)/$$env/bin/python -m pip install -q --no-deps -e . \
 			&& $(MATRIX_DIR)/$$env/bin/python -m pytest $(MATRIX_PYTEST_ARGS) \
 			|| failed="$$failed $$env"; \
 	done; \

@@ -80,10 +80,13 @@ def test_bad_loss_dtype_is_a_clear_error():
         linear_ce.linear_cross_entropy(x, W, t, loss_dtype=torch.float16)
 
 
-transformers = pytest.importorskip("transformers")
+@pytest.fixture
+def transformers():
+    """transformers, for the tests that need it (only they skip where it is missing)."""
+    return pytest.importorskip("transformers")
 
 
-def _tiny_llama(dtype):
+def _tiny_llama(transformers, dtype):
     config = transformers.LlamaConfig(
         vocab_size=3000,
         hidden_size=32,
@@ -109,10 +112,10 @@ def _hidden_loss64(model, ids, labels, divisor=None):
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("items", [None, 300])
-def test_patched_bf16_model_reports_an_unrounded_loss(autocast, items):
+def test_patched_bf16_model_reports_an_unrounded_loss(transformers, autocast, items):
     from linear_ce.integrations.transformers import patch, unpatch
 
-    model = _tiny_llama(torch.float32 if autocast else torch.bfloat16)
+    model = _tiny_llama(transformers, torch.float32 if autocast else torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 3000, (2, 96), generator=g)
     labels = ids.clone()

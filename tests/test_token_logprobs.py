@@ -8,10 +8,12 @@ by autograd through both with random upstream gradients.
 from __future__ import annotations
 
 import itertools
+import math
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import linear_ce
@@ -262,7 +264,8 @@ def test_statistics_match_plain_expression(transform, shift, bias, pattern, dtyp
     sq, mean, top1 = _plain_statistics(*ref_leaves[:2], ref_leaves[2], t, shift=shift, **kw)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     assert out.log_sum_sq_prob.dtype == acc and out.mean_logit.dtype == acc
-    assert not out.log_sum_sq_prob.requires_grad and not out.mean_logit.requires_grad
+    # In the graph, so that differentiating them is an error (tests/test_gradient_safety.py).
+    assert out.log_sum_sq_prob.requires_grad and out.mean_logit.requires_grad
     # A difference of O(1) terms (log Σe² − 2 log Z, m + Σu/V): a few eps of them.
     for got, want in ((out.log_sum_sq_prob, sq), (out.mean_logit, mean)):
         scale = max(torch.linalg.vector_norm(want).item(), want.numel() ** 0.5)
@@ -293,8 +296,8 @@ def test_statistics_are_not_differentiable():
         x, W, torch.tensor([0, 1, 2]), log_sum_sq_prob=True, mean_logit=True
     )
     for value in (out.log_sum_sq_prob, out.mean_logit):
-        with pytest.raises(RuntimeError, match="does not require grad"):
-            value.sum().backward()
+        with pytest.raises(RuntimeError, match="is a statistic without a gradient"):
+            value.sum().backward(retain_graph=True)
 
 
 @pytest.mark.parametrize("flows", list(FLOWS))
@@ -330,6 +333,46 @@ def test_outputs_not_asked_for_are_none_and_cost_no_gemm():
     assert out.log_sum_sq_prob is None and out.mean_logit is None
 
 
+def _extended_gradients(x, W, t, temperature):
+    """Gradients of ``Σ (logprob + entropy)`` over the valid rows in numpy's extended
+    precision, from the textbook formula: with ``p = softmax(s)``, ``s = x Wᵀ / T``,
+    ``∂/∂s (log p_t − Σ p log p) = onehot(t) − p − p·(log p + H)``.
+
+    Also the size of the terms each gradient sums, to bound what rounding alone costs
+    where they cancel: a float64 logit is ``eps·(|x|·|W|ᵀ)/T`` off, which moves ``p_j``
+    by ``p_j·(δs_j − E_p[δs])`` and each term ``p_j·(1 + |log p_j + H|)`` by as much,
+    plus each term's own rounding."""
+    ld = np.longdouble
+    xs, Ws = (a.detach().numpy().astype(ld) for a in (x, W))
+    s = xs @ Ws.T / ld(temperature)
+    s = s - s.max(axis=1, keepdims=True)
+    logp = s - np.log(np.exp(s).sum(axis=1, keepdims=True))
+    p = np.exp(logp)
+    entropy = -(p * logp).sum(axis=1, keepdims=True)
+    valid = (t != -100).numpy()
+    onehot = np.zeros_like(p)
+    onehot[np.arange(len(valid)), np.where(valid, t.numpy(), 0)] = 1
+    grad_s = (onehot - p - p * (logp + entropy)) * valid[:, None] / ld(temperature)
+    logit_size = np.abs(xs) @ np.abs(Ws).T / ld(temperature)
+    moved = logit_size + (p * logit_size).sum(axis=1, keepdims=True)
+    spread = np.abs(logp + entropy)
+    terms = p * moved * (1 + spread) + onehot + p + p * spread
+    terms = terms * valid[:, None] / ld(temperature)
+    truth = (grad_s @ Ws, grad_s.T @ xs)
+    sizes = (terms @ np.abs(Ws), terms.T @ np.abs(xs))
+    return truth, sizes
+
+
+def _norm(a) -> float:
+    return math.sqrt(float((a * a).sum()))
+
+
+def _extended_err(got, truth) -> float:
+    gap = _norm(got.detach().numpy().astype(np.longdouble) - truth)
+    size = _norm(truth)
+    return gap / size if size > 0 else gap
+
+
 @given(
     n=st.integers(1, 40),
     chunk=st.integers(1, 16),
@@ -337,6 +380,9 @@ def test_outputs_not_asked_for_are_none_and_cost_no_gemm():
     temperature=st.sampled_from([0.5, 1.0, 2.0]),
     seed=st.integers(0, 2**16),
 )
+# Found by CI on a Sapphire Rapids (issue 29): the float64 plain expression's gradient is
+# itself 9 eps off the extended-precision truth there, ours 7.6 eps; against each other 16.4.
+@example(n=10, chunk=1, ignore_share=0.875, temperature=0.5, seed=230)
 def test_property_logprob_and_entropy(n, chunk, ignore_share, temperature, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEAT, generator=g, dtype=torch.float64, requires_grad=True)
@@ -357,13 +403,33 @@ def test_property_logprob_and_entropy(n, chunk, ignore_share, temperature, seed)
     ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
     # Both are differences of O(1) quantities (u_t − log Z, log Z − μ): a peaked row's
     # entropy is tiny but its absolute error is still ~eps, in the plain expression too.
+    # The norm of the difference is then ~eps·√n for each of the two, a few eps per term:
+    # 8 eps covers both results' 3-4 eps each.
     for got, want in ((out.logprob, lp), (out.entropy, ent)):
         scale = max(torch.linalg.vector_norm(want).item(), want.numel() ** 0.5)
         assert torch.linalg.vector_norm(got - want).item() <= 8 * eps(torch.float64) * scale
     got = torch.autograd.grad((out.logprob + out.entropy).sum(), [x, W])
-    ref = torch.autograd.grad((lp + ent).sum(), [x, W])
-    for a, r in zip(got, ref, strict=True):
-        assert rel_err(a, r) <= 16 * eps(torch.float64)
+    plain = torch.autograd.grad((lp + ent).sum(), [x, W])
+    if np.finfo(np.longdouble).eps >= 1e-18:
+        # No extended precision to judge a float64 result by (the float64 plain expression
+        # is itself several eps off): it must agree with that expression to the sum of
+        # both bounds, 3 eps and the plain expression's error (found up to 9 eps).
+        for a, r in zip(got, plain, strict=True):
+            assert rel_err(a, r) <= 16 * eps(torch.float64)
+        return
+    # The house bound, against the extended-precision truth: 3 eps, twice the float64
+    # plain expression's own error, or eps·|terms|/|result| where the sum cancels (it does:
+    # −p·(log p + H) against onehot − p); without that last term 11 of 726 random calls
+    # land between 3 and 7.5 eps while the plain expression was lucky (1.5 eps); with it
+    # the largest is 0.54 of the bound.
+    truths, sizes = _extended_gradients(x, W, t, temperature)
+    cases = zip(("grad_input", "grad_weight"), got, plain, truths, sizes, strict=True)
+    for name, a, r, exact, size in cases:
+        total = _norm(exact)
+        cancel = eps(torch.float64) * _norm(size) / total if total > 0 else 0.0
+        bound = max(3 * eps(torch.float64), 2 * _extended_err(r, exact), cancel)
+        err = _extended_err(a, exact)
+        assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
 
 
 def test_compile_and_vmap():

@@ -245,6 +245,98 @@ def test_patch_model_class_patches_new_instances_until_undone():
         lce_hf.unpatch_model_class(cls)
 
 
+def test_unpatch_refuses_to_drop_a_wrapper_put_on_after_patch():
+    """A wrapper put on ``forward`` after ``patch`` (as accelerate's hooks are, copying the
+    wrapped function's attributes) stays: unpatch says so and changes nothing."""
+    model = lce_hf.patch(tiny_model("LlamaForCausalLM"))
+    ours = model.forward
+    wrapper = functools.update_wrapper(functools.partial(lambda *a, **k: ours(*a, **k)), ours)
+    model.forward = wrapper
+    assert lce_hf.is_patched(model)
+    assert lce_hf.patch(model) is model and model.forward is wrapper  # already patched
+    with pytest.raises(ValueError, match=r"wrapped again after patch\(\).*remove the wrapper"):
+        lce_hf.unpatch(model)
+    assert model.forward is wrapper
+    model.forward = ours
+    lce_hf.unpatch(model)
+    assert not lce_hf.is_patched(model) and "forward" not in vars(model)
+
+
+def test_unpatch_model_class_refuses_to_drop_a_later_patch():
+    """Another patch of ``cls.forward`` on top of ours, made with functools.wraps (which
+    copies our marker onto it), used to be taken for ours and overwritten by unpatch."""
+    cls = transformers.Qwen2ForCausalLM
+    original = vars(cls)["forward"]
+    lce_hf.patch_model_class(cls)
+    ours = vars(cls)["forward"]
+
+    @functools.wraps(ours)
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    try:
+        cls.forward = theirs
+        assert lce_hf.patch_model_class(cls) is cls and vars(cls)["forward"] is theirs
+        with pytest.raises(ValueError, match=r"patched again after patch_model_class\(\)"):
+            lce_hf.unpatch_model_class(cls)
+        assert vars(cls)["forward"] is theirs
+        cls.forward = ours
+        lce_hf.unpatch_model_class(cls)
+        assert vars(cls)["forward"] is original
+    finally:
+        cls.forward = original
+
+
+def test_overlapping_loss_calls_through_one_head_leave_it_unchanged():
+    """Two threads compute the loss through one ``lm_head``, whose forward is swapped for
+    the call. Each used to restore the forward it saw on entry: the second restored the
+    first one's loss forward after the first had removed it, and ``lm_head`` kept it.
+    Hooks on the head force that order where the calls are not serialised (each wait is
+    bounded, and simply times out where they are)."""
+    import threading
+
+    model = lce_hf.patch(tiny_model("LlamaForCausalLM"))
+    ids, labels = batch(7)
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels).loss
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+    names = {}
+
+    def hold(module, args):
+        if threading.current_thread() is names["first"]:
+            first_in.set()
+            second_in.wait(timeout=2)
+        else:
+            second_in.set()
+            first_done.wait(timeout=2)
+
+    losses = {}
+
+    def run(key):
+        if key == "second":
+            first_in.wait(timeout=30)
+        with torch.no_grad():
+            losses[key] = model(input_ids=ids, labels=labels).loss
+        if key == "first":
+            first_done.set()
+
+    handle = model.lm_head.register_forward_pre_hook(hold)
+    try:
+        threads = {key: threading.Thread(target=run, args=(key,)) for key in ("first", "second")}
+        names.update(threads)
+        for thread in threads.values():
+            thread.start()
+        for thread in threads.values():
+            thread.join(timeout=60)
+    finally:
+        handle.remove()
+    assert "forward" not in vars(model.lm_head)
+    # The same call on the same inputs: the same bits.
+    assert torch.equal(losses["first"], ref) and torch.equal(losses["second"], ref)
+    hidden = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(model.lm_head(hidden), hidden @ model.lm_head.weight.T)
+
+
 def test_lm_head_weight_is_read_inside_its_own_call():
     """A ZeRO-3-like head: its weight is empty except between its pre- and post-forward hooks."""
     model = tiny_model("LlamaForCausalLM")

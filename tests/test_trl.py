@@ -393,6 +393,128 @@ def test_without_trl_patch_says_how_to_install(monkeypatch):
         lce_trl.patch()
 
 
+@pytest.mark.parametrize("entry", ["patch", "patched"])
+@pytest.mark.parametrize("options", ["fast", {"batch_chunk_size": 4}, 4])
+def test_bad_options_are_refused_at_patch(entry, options):
+    """``patch("fast")`` was accepted and failed at the first forward."""
+    original = trl_utils._ChunkedLogProbFunction
+    with pytest.raises(
+        TypeError,
+        match=rf"^linear_ce\.integrations\.trl\.{entry}: options must be a "
+        r"linear_ce\.LinearCrossEntropyOptions or None, got",
+    ):
+        if entry == "patch":
+            lce_trl.patch(options)
+        else:
+            with lce_trl.patched(options):
+                pass
+    assert not lce_trl.is_patched() and trl_utils._ChunkedLogProbFunction is original
+
+
+def test_blocks_exiting_out_of_order_restore_the_state_before_the_first():
+    """Overlapping blocks: the first one entered exits first. Each block used to restore
+    what it saw on entry, so the first left TRL unpatched under the still-open second,
+    and the second then patched it again for good."""
+    original = trl_utils._ChunkedLogProbFunction
+    first_options = LinearCrossEntropyOptions(batch_chunk_size=4)
+    second_options = LinearCrossEntropyOptions(batch_chunk_size=8)
+    for base in (None, LinearCrossEntropyOptions(batch_chunk_size=2)):
+        if base is not None:
+            lce_trl.patch(base)
+        first, second = lce_trl.patched(first_options), lce_trl.patched(second_options)
+        first.__enter__()
+        assert trl_utils._ChunkedLogProbFunction.options is first_options
+        second.__enter__()
+        assert trl_utils._ChunkedLogProbFunction.options is second_options
+        first.__exit__(None, None, None)
+        assert lce_trl.is_patched()
+        assert trl_utils._ChunkedLogProbFunction.options is second_options
+        second.__exit__(None, None, None)
+        if base is None:
+            assert not lce_trl.is_patched() and trl_utils._ChunkedLogProbFunction is original
+        else:
+            assert trl_utils._ChunkedLogProbFunction.options is base
+            lce_trl.unpatch()
+    assert trl_utils._ChunkedLogProbFunction is original
+    assert trl_utils._use_triton is chunked_logprob._use_triton
+
+
+def test_blocks_in_threads_keep_trl_patched_until_the_last_exits():
+    """Four threads enter their blocks in turn and leave them in the same order; each
+    checks, just before leaving, that TRL is still patched."""
+    import threading
+
+    original = trl_utils._ChunkedLogProbFunction
+    count = 4
+    turns = [threading.Event() for _ in range(2 * count + 1)]
+    seen: dict[int, tuple[bool, object]] = {}
+
+    def run(index: int) -> None:
+        options = LinearCrossEntropyOptions(batch_chunk_size=index + 1)
+        turns[index].wait(timeout=60)
+        with lce_trl.patched(options):
+            turns[index + 1].set()
+            turns[count + index].wait(timeout=60)
+            seen[index] = (lce_trl.is_patched(), trl_utils._ChunkedLogProbFunction)
+            turns[count + index + 1].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    turns[0].set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(seen) == list(range(count))
+    assert all(patched and head is not original for patched, head in seen.values())
+    assert not lce_trl.is_patched() and trl_utils._ChunkedLogProbFunction is original
+
+
+def test_unpatch_leaves_a_later_patch_in_place(monkeypatch):
+    """Another library patched the kernel on top of ours: unpatch keeps theirs (with a
+    warning) instead of overwriting it with TRL's, and restores the attributes that are
+    still ours."""
+    original = trl_utils._ChunkedLogProbFunction
+    # monkeypatch restores TRL's kernel after the test, whatever is left on top.
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", original)
+    lce_trl.patch()
+    ours = trl_utils._ChunkedLogProbFunction
+
+    class TheirHead:
+        def apply(self, *args):
+            return ours.apply(*args)
+
+    theirs = TheirHead()
+    trl_utils._ChunkedLogProbFunction = theirs
+    with pytest.warns(RuntimeWarning, match=r"trl\.trainer\.utils\._ChunkedLogProbFunction was"):
+        lce_trl.unpatch()
+    assert trl_utils._ChunkedLogProbFunction is theirs
+    assert trl_utils._use_triton is chunked_logprob._use_triton
+    assert not lce_trl.is_patched()
+
+
+def test_unpatch_inside_an_open_block_is_refused():
+    original = trl_utils._ChunkedLogProbFunction
+    with lce_trl.patched():
+        with pytest.raises(RuntimeError, match=r"patched\(\) block\(s\) are open"):
+            lce_trl.unpatch()
+        assert lce_trl.is_patched()
+    assert not lce_trl.is_patched() and trl_utils._ChunkedLogProbFunction is original
+
+
+def test_patch_is_idempotent_and_updates_options_in_place():
+    """Patching again keeps the one replacement (a wrapper holding it sees the new
+    options) and the original TRL head to restore."""
+    original = trl_utils._ChunkedLogProbFunction
+    lce_trl.patch()
+    installed = trl_utils._ChunkedLogProbFunction
+    options = LinearCrossEntropyOptions(batch_chunk_size=3)
+    lce_trl.patch(options)
+    assert trl_utils._ChunkedLogProbFunction is installed and installed.options is options
+    lce_trl.unpatch()
+    lce_trl.unpatch()
+    assert trl_utils._ChunkedLogProbFunction is original
+
+
 # --- real trainers ------------------------------------------------------------------------
 
 WORDS = [

@@ -236,3 +236,84 @@ def test_bad_options(kwargs, error, match):
 def test_bad_module_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         linear_ce.LinearCrossEntropyLoss(**kwargs)
+
+
+def _plain_nll64(x, W, target, ignore_index):
+    """Per-row cross-entropy in float64 from the formula (rows at ignore_index are 0),
+    the targets compared as Python ints."""
+    logits = x.double() @ W.double().T
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.zeros(len(target), dtype=torch.float64)
+    for row, cls in enumerate(target.tolist()):
+        if cls != ignore_index:
+            out[row] = lse[row] - logits[row, cls]
+    return out
+
+
+# Class indices whose dtype cannot hold ignore_index: compared in that dtype, the
+# ignore_index wrapped onto a class (-100 is 156 in uint8, -1000 is 24 in int8, 2**32 is
+# 0 in int32) and that class was silently ignored.
+@pytest.mark.parametrize(
+    ("dtype", "wrapped_class", "ignore_index"),
+    [
+        (torch.uint8, 156, None),
+        (torch.int8, 24, -1000),
+        (torch.int16, 0, 2**16),
+        (torch.int32, 0, 2**32),
+    ],
+)
+@pytest.mark.parametrize("fn", ["linear_cross_entropy", "token_logprobs"])
+def test_narrow_index_target_keeps_the_class_ignore_index_wraps_onto(
+    fn, dtype, wrapped_class, ignore_index
+):
+    g = torch.Generator().manual_seed(3)
+    classes = 200
+    x = torch.randn(4, FEAT, generator=g, dtype=torch.float64)
+    W = torch.randn(classes, FEAT, generator=g, dtype=torch.float64)
+    target = torch.tensor([wrapped_class, 1, wrapped_class, 7], dtype=dtype)
+    resolved = -100 if ignore_index is None else ignore_index
+    ref = _plain_nll64(x, W, target, resolved)
+    assert (ref[[0, 2]] > 0).all()  # the wrapped class counts
+    if fn == "linear_cross_entropy":
+        got = linear_ce.linear_cross_entropy(
+            x, W, target, ignore_index=ignore_index, reduction="none"
+        )
+    else:
+        got = -linear_ce.token_logprobs(x, W, target, ignore_index=resolved).logprob
+    # float64 throughout: a few eps of the plain formula's own rounding.
+    assert torch.allclose(got, ref, rtol=8 * torch.finfo(torch.float64).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_index_target_with_shift(dtype):
+    """The positions a shift vacates hold ignore_index, which a uint8 target cannot hold."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, FEAT, generator=g, dtype=torch.float64)
+    W = torch.randn(C, FEAT, generator=g, dtype=torch.float64)
+    target = torch.randint(0, C, (2, 5), generator=g)
+    got = linear_ce.linear_cross_entropy(x, W, target.to(dtype), shift=True, reduction="none")
+    ref = torch.stack(
+        [
+            torch.cat([_plain_nll64(x[b, :-1], W, target[b, 1:], -100), torch.zeros(1).double()])
+            for b in range(2)
+        ]
+    )
+    assert torch.allclose(got, ref, rtol=8 * torch.finfo(torch.float64).eps, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.complex64,
+        *[getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n)],
+    ],
+)
+def test_unsupported_index_dtype_lists_the_supported_ones(dtype):
+    target = torch.zeros(N, dtype=dtype)
+    with pytest.raises(
+        ValueError,
+        match=r"^linear_cross_entropy: class-index target must be an integer tensor "
+        rf"\(int64, int32, int16, int8 or uint8\), got {dtype}$",
+    ):
+        linear_ce.linear_cross_entropy(torch.randn(N, FEAT), torch.randn(C, FEAT), target)

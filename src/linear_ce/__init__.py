@@ -13,6 +13,7 @@ from linear_ce.functional import linear_cross_entropy
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.outputs import LinearCrossEntropyOutput
+from linear_ce.sequence_objective import SequenceObjectiveOutput, sequence_objective
 from linear_ce.token_logprobs import (
     TokenLogprobs,
     token_logprobs,
@@ -25,11 +26,13 @@ __all__ = [
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOptions",
     "LinearCrossEntropyOutput",
+    "SequenceObjectiveOutput",
     "TokenLogprobs",
     "linear_cross_entropy",
     "linear_divergence",
     "objectives",
     "reference",
+    "sequence_objective",
     "token_logprobs",
     "token_logprobs_and_stats",
     "token_logprobs_vjp",

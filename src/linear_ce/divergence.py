@@ -53,6 +53,7 @@ def _arguments(
         PlanOptions.of(options),
         options.allow_retain_graph,
         Needs.of(call.input, call.linear_weight, call.linear_bias),
+        name,
     )
 
 

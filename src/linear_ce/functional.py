@@ -71,6 +71,7 @@ def _checked(name: str, num_classes: int | None, **arguments: Any) -> Call:
         shift=arguments["shift"],
         token_weight=arguments["token_weight"],
         num_classes=num_classes,
+        name=name,
     )
     logit_scale, temperature = arguments["logit_scale"], arguments["temperature"]
     check_scales(name, logit_scale, temperature)
@@ -269,8 +270,9 @@ def linear_cross_entropy(
     Args:
         input: ``(*, F)`` hidden states (``(F)`` for one row).
         linear_weight: ``(C, F)``, or ``(C, d1, …, dK, F)`` for a K-dimensional loss.
-        target: class indices ``(*)`` / ``(*, d1, …, dK)`` (int64 or int32), or
-            probabilities of the logits' shape ``(*, C, d1, …, dK)`` in the input dtype.
+        target: class indices ``(*)`` / ``(*, d1, …, dK)`` (int64, int32, int16, int8 or
+            uint8), or probabilities of the logits' shape ``(*, C, d1, …, dK)`` in the input
+            dtype.
         linear_bias: ``(C, d1, …, dK)`` or ``None``.
         weight: class weights ``(C,)`` in the input dtype, or ``None``.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (shape ``(*)`` / ``(*, d1, …, dK)``).

@@ -21,8 +21,8 @@ def parse_chunking_method(method: str | None) -> tuple[str | None, int]:
     match = _CHUNKING.match(method) if isinstance(method, str) else None
     if match is None or (match.group(1) == "auto" and match.group(2) is not None):
         raise ValueError(
-            f"chunking_method must be None, 'auto', 'budget', 'budget:N', 'aspect_ratio' or "
-            f"'aspect_ratio:N' with an integer N >= 1, got {method!r}"
+            "LinearCrossEntropyOptions: chunking_method must be None, 'auto', 'budget', "
+            f"'budget:N', 'aspect_ratio' or 'aspect_ratio:N' with an integer N >= 1, got {method!r}"
         )
     return match.group(1), int(match.group(2) or 1)
 
@@ -106,23 +106,31 @@ class LinearCrossEntropyOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.allow_retain_graph, bool):
             raise TypeError(
-                f"allow_retain_graph must be a bool, got {type(self.allow_retain_graph).__name__}"
+                "LinearCrossEntropyOptions: allow_retain_graph must be a bool, got "
+                f"{type(self.allow_retain_graph).__name__}"
             )
         size = self.batch_chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
-            raise ValueError(f"batch_chunk_size must be a positive int or None, got {size!r}")
+            raise ValueError(
+                "LinearCrossEntropyOptions: batch_chunk_size must be a positive int or None, "
+                f"got {size!r}"
+            )
         method, _ = parse_chunking_method(self.chunking_method)
         if size is not None and method not in (None, "auto"):
             raise ValueError(
-                f"batch_chunk_size={size} and chunking_method={self.chunking_method!r} both "
-                "choose the chunk size; pass only one (or chunking_method=None)"
+                f"LinearCrossEntropyOptions: batch_chunk_size={size} and "
+                f"chunking_method={self.chunking_method!r} both choose the chunk size; pass only "
+                "one (or chunking_method=None)"
             )
         if self.acc_policy not in ACC_POLICIES:
-            raise ValueError(f"acc_policy must be one of {ACC_POLICIES}, got {self.acc_policy!r}")
+            raise ValueError(
+                f"LinearCrossEntropyOptions: acc_policy must be one of {ACC_POLICIES}, got "
+                f"{self.acc_policy!r}"
+            )
         if self.acc_dtype is not None and self.acc_dtype not in _ACC_DTYPES:
             raise ValueError(
-                "acc_dtype must be None, torch.float16, torch.bfloat16, torch.float32 or "
-                f"torch.float64, got {self.acc_dtype!r}"
+                "LinearCrossEntropyOptions: acc_dtype must be None, torch.float16, "
+                f"torch.bfloat16, torch.float32 or torch.float64, got {self.acc_dtype!r}"
             )
 
 

@@ -50,6 +50,7 @@ def _arguments(
         outputs,
         PlanOptions.of(options),
         needs,
+        call.name,
     )
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import NoReturn
 
 import torch
 
-from linear_ce.engine.transform import LogitTransform, check_scales
+from linear_ce.engine.transform import LogitTransform
 
 __all__ = [
     "Call",
+    "Caller",
     "Shapes",
     "check_call",
     "check_class_weight",
@@ -31,6 +33,7 @@ __all__ = [
     "check_linear_bias",
     "check_matching_dtypes",
     "check_reduction",
+    "check_scale",
     "check_shapes",
     "check_shift",
     "check_shift_shape",
@@ -51,6 +54,9 @@ REDUCTIONS = ("mean", "sum", "none")
 TOP1_RULES = ("unique", "argmax")
 DEFAULT_IGNORE_INDEX = -100
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Class indices in any integer dtype torch's cross_entropy takes (int64, uint8) or that
+# saves memory (int32 holds any vocabulary; int16/int8 a small one). A dtype that cannot
+# hold ignore_index is widened (see _widened_target).
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -64,7 +70,9 @@ class Call:
     ``target`` ``(N, P)`` class indices or ``(N, C, P)`` probabilities,
     ``token_weight`` ``(N, P)``. ``loss_shape`` is the shape of the
     ``reduction="none"`` result. ``logit_scale`` and ``temperature`` (checked by
-    :func:`linear_ce.engine.transform.check_scales`) complete the logits transform.
+    :func:`check_scale`) complete the logits transform. ``name``
+    is the public function the call was checked for, which later errors (a class
+    index out of range, found inside the op) also name.
     """
 
     input: torch.Tensor
@@ -83,6 +91,7 @@ class Call:
     weight_shape: tuple[int, ...]
     logit_scale: float = 1.0
     temperature: float = 1.0
+    name: str = "linear_cross_entropy"
 
     @property
     def transform(self) -> LogitTransform:
@@ -123,8 +132,26 @@ class Shapes:
         return (*self.batch, *self.out_features)
 
 
-def _fail(message: str) -> NoReturn:
-    raise ValueError(f"linear_cross_entropy: {message}")
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Whom a check speaks for: the public function the user called and, where that
+    function names an argument otherwise, its name for it (``linear_divergence`` calls
+    the checked ``input`` ``student_input``). Every message starts with ``function``
+    and names arguments through :meth:`arg`, so the user reads their own words."""
+
+    function: str
+    renamed: tuple[tuple[str, str], ...] = ()
+
+    def arg(self, name: str) -> str:
+        """The caller's name for the checked argument ``name``."""
+        return dict(self.renamed).get(name, name)
+
+    def fail(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.function}: {message}")
+
+
+def _caller(name: str, renamed: Mapping[str, str] | None) -> Caller:
+    return Caller(name, tuple((renamed or {}).items()))
 
 
 def _is_real(value: object) -> bool:
@@ -133,105 +160,134 @@ def _is_real(value: object) -> bool:
 
 
 def check_tensor_types(
-    required: dict[str, object], optional: dict[str, object] | None = None
+    caller: Caller, required: dict[str, object], optional: dict[str, object] | None = None
 ) -> None:
     """Every ``required`` value is a Tensor; every ``optional`` one a Tensor or ``None``."""
     for name, value in required.items():
         if not isinstance(value, torch.Tensor):
-            _fail(f"{name} must be a Tensor, got {type(value).__name__}")
+            caller.fail(f"{caller.arg(name)} must be a Tensor, got {type(value).__name__}")
     for name, value in (optional or {}).items():
         if value is not None and not isinstance(value, torch.Tensor):
-            _fail(f"{name} must be a Tensor or None, got {type(value).__name__}")
+            caller.fail(f"{caller.arg(name)} must be a Tensor or None, got {type(value).__name__}")
 
 
-def check_devices(tensors: dict[str, torch.Tensor | None]) -> None:
+def check_devices(caller: Caller, tensors: dict[str, torch.Tensor | None]) -> None:
     """All the given (non-``None``) tensors live on one device."""
     devices = {name: value.device for name, value in tensors.items() if value is not None}
     if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        _fail(f"all tensors must be on one device, got {listing}")
+        listing = ", ".join(f"{caller.arg(name)} on {device}" for name, device in devices.items())
+        caller.fail(f"all tensors must be on one device, got {listing}")
 
 
-def check_reduction(reduction: str) -> None:
+def check_reduction(caller: Caller, reduction: str) -> None:
     if reduction not in REDUCTIONS:
-        _fail(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        caller.fail(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def check_label_smoothing(label_smoothing: float) -> None:
+def check_label_smoothing(caller: Caller, label_smoothing: float) -> None:
     if not _is_real(label_smoothing):
-        _fail(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+        caller.fail(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
     if not 0.0 <= label_smoothing <= 1.0:
-        _fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        caller.fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
-def check_z_loss(z_loss: float) -> None:
+def check_z_loss(caller: Caller, z_loss: float) -> None:
     if not _is_real(z_loss) or not 0.0 <= z_loss < math.inf:
-        _fail(f"z_loss must be a finite float >= 0, got {z_loss!r}")
+        caller.fail(f"z_loss must be a finite float >= 0, got {z_loss!r}")
 
 
-def check_softcap(softcap: float | None) -> None:
+def check_softcap(caller: Caller, softcap: float | None, arg: str = "softcap") -> None:
+    """``softcap`` (the argument the caller names ``arg``) is ``None`` or a finite float > 0."""
     if softcap is not None and (not _is_real(softcap) or not 0.0 < softcap < math.inf):
-        _fail(f"softcap must be None or a finite float > 0, got {softcap!r}")
+        caller.fail(f"{caller.arg(arg)} must be None or a finite float > 0, got {softcap!r}")
 
 
-def check_ignore_index(ignore_index: int | None) -> None:
-    if ignore_index is not None and (
-        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
-    ):
-        _fail(f"ignore_index must be an int or None, got {ignore_index!r}")
+def check_scale(caller: Caller, arg: str, value: float) -> None:
+    """A logits scale or temperature (the argument the caller names ``arg``) is a finite
+    float > 0."""
+    if not _is_real(value) or not 0.0 < value < math.inf:
+        caller.fail(f"{caller.arg(arg)} must be a finite float > 0, got {value!r}")
 
 
-def check_shift(shift: bool | int) -> int:
+def check_ignore_index(caller: Caller, ignore_index: int | None) -> None:
+    if ignore_index is None:
+        return
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        caller.fail(f"ignore_index must be an int or None, got {ignore_index!r}")
+    if not _fits(ignore_index, torch.int64):
+        caller.fail(f"ignore_index must fit in int64, got {ignore_index}")
+
+
+def _fits(value: int, dtype: torch.dtype) -> bool:
+    bounds = torch.iinfo(dtype)
+    return bounds.min <= value <= bounds.max
+
+
+def _widened_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Class indices as int64 where their dtype cannot hold ``ignore_index``: compared in
+    the narrower dtype it would wrap onto a class (-100 is class 156 in uint8) and that
+    class would be ignored without a word. Otherwise ``target`` itself."""
+    return target if _fits(ignore_index, target.dtype) else target.long()
+
+
+def check_shift(caller: Caller, shift: bool | int) -> int:
     """The label shift as an int (``True`` is 1)."""
     if isinstance(shift, bool):
         shift = int(shift)
     if not isinstance(shift, int) or shift < 0:
-        _fail(f"shift must be a bool or an int >= 0, got {shift!r}")
+        caller.fail(f"shift must be a bool or an int >= 0, got {shift!r}")
     return shift
 
 
-def check_matching_dtypes(input: torch.Tensor, linear_weight: torch.Tensor) -> None:
+def check_matching_dtypes(caller: Caller, input: torch.Tensor, linear_weight: torch.Tensor) -> None:
     """``input`` is floating and ``linear_weight`` has its dtype."""
+    x, w = caller.arg("input"), caller.arg("linear_weight")
     if input.dtype not in _FLOAT_DTYPES:
-        _fail(
-            f"input must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}"
+        caller.fail(
+            f"{x} must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}"
         )
     if linear_weight.dtype != input.dtype:
         # autocast does not cast our arguments (the op runs in the dtype it is given),
         # so a bf16 hidden state meeting an fp32 lm_head under autocast lands here.
         hint = (
-            " (under torch.autocast linear_cross_entropy is not autocast: it runs in the "
+            f" (under torch.autocast {caller.function} is not autocast: it runs in the "
             "dtype of its arguments)"
             if input.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(input.device.type)
             else ""
         )
-        _fail(
-            f"linear_weight dtype {linear_weight.dtype} differs from input dtype {input.dtype}; "
+        caller.fail(
+            f"{w} dtype {linear_weight.dtype} differs from {x} dtype {input.dtype}; "
             f"cast one of them so both match{hint}"
         )
 
 
 def check_shapes(
-    input: torch.Tensor, linear_weight: torch.Tensor, num_classes: int | None = None
+    caller: Caller,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    num_classes: int | None = None,
 ) -> Shapes:
     """The ranks of ``input`` and ``linear_weight``, their shared ``in_features`` and at
     least one class; ``num_classes=None`` means ``linear_weight.shape[0]``."""
+    x, w = caller.arg("input"), caller.arg("linear_weight")
     if input.dim() < 1:
-        _fail("input must have shape (*, in_features) with at least 1 dimension, got a 0-d tensor")
+        caller.fail(
+            f"{x} must have shape (*, in_features) with at least 1 dimension, got a 0-d tensor"
+        )
     if linear_weight.dim() < 2:
-        _fail(
-            "linear_weight must have shape (num_classes, in_features) or "
+        caller.fail(
+            f"{w} must have shape (num_classes, in_features) or "
             f"(num_classes, d1, ..., dK, in_features), got shape {tuple(linear_weight.shape)}"
         )
     in_features = input.shape[-1]
     if linear_weight.shape[-1] != in_features:
-        _fail(
-            f"in_features mismatch: input has {in_features} features (last dimension) but "
-            f"linear_weight has {linear_weight.shape[-1]} (shape {tuple(linear_weight.shape)})"
+        caller.fail(
+            f"in_features mismatch: {x} has {in_features} features (last dimension) but "
+            f"{w} has {linear_weight.shape[-1]} (shape {tuple(linear_weight.shape)})"
         )
     local_classes = linear_weight.shape[0]
     if local_classes == 0:
-        _fail(f"linear_weight must have at least one class, got shape {tuple(linear_weight.shape)}")
+        caller.fail(f"{w} must have at least one class, got shape {tuple(linear_weight.shape)}")
     return Shapes(
         batch=tuple(input.shape[:-1]),
         in_features=in_features,
@@ -241,65 +297,81 @@ def check_shapes(
     )
 
 
-def check_linear_bias(linear_bias: torch.Tensor | None, shapes: Shapes, dtype: torch.dtype) -> None:
+def check_linear_bias(
+    caller: Caller, linear_bias: torch.Tensor | None, shapes: Shapes, dtype: torch.dtype
+) -> None:
     """The bias, when given, is ``(local_classes, *out_features)`` in the input's dtype."""
     if linear_bias is None:
         return
+    b = caller.arg("linear_bias")
     expected = (shapes.local_classes, *shapes.out_features)
     if tuple(linear_bias.shape) != expected:
-        _fail(
-            f"linear_bias must have shape {expected} (num_classes, "
+        caller.fail(
+            f"{b} must have shape {expected} (num_classes, "
             f"*out_features), got {tuple(linear_bias.shape)}"
         )
     if linear_bias.dtype != dtype:
-        _fail(f"linear_bias dtype {linear_bias.dtype} differs from input dtype {dtype}")
+        caller.fail(
+            f"{b} dtype {linear_bias.dtype} differs from {caller.arg('input')} dtype {dtype}"
+        )
 
 
-def check_k_dim(shapes: Shapes, input: torch.Tensor, linear_weight: torch.Tensor) -> None:
+def check_k_dim(
+    caller: Caller, shapes: Shapes, input: torch.Tensor, linear_weight: torch.Tensor
+) -> None:
     """A K-dimensional loss (``out_features`` not empty) needs a batch dimension."""
     if shapes.out_features and not shapes.batch:
-        _fail(
-            f"K-dimensional loss (linear_weight shape {tuple(linear_weight.shape)}) needs batched "
-            f"input (N, {shapes.in_features}), got shape {tuple(input.shape)}"
+        caller.fail(
+            f"K-dimensional loss ({caller.arg('linear_weight')} shape "
+            f"{tuple(linear_weight.shape)}) needs batched {caller.arg('input')} "
+            f"(N, {shapes.in_features}), got shape {tuple(input.shape)}"
         )
 
 
 def _check_probability_target(
-    target: torch.Tensor, dtype: torch.dtype, ignore_index: int | None, shift: int
+    caller: Caller, target: torch.Tensor, dtype: torch.dtype, ignore_index: int | None, shift: int
 ) -> None:
     if target.dtype != dtype:
-        _fail(f"probability target dtype {target.dtype} differs from input dtype {dtype}")
+        caller.fail(
+            f"probability target dtype {target.dtype} differs from {caller.arg('input')} "
+            f"dtype {dtype}"
+        )
     if ignore_index is not None:
-        _fail(
+        caller.fail(
             "ignore_index cannot be used with probability targets (target of shape "
             f"{tuple(target.shape)}); pass ignore_index=None"
         )
     if shift:
-        _fail("shift needs class-index targets; shift probability targets yourself")
+        caller.fail("shift needs class-index targets; shift probability targets yourself")
     if target.requires_grad:
-        _fail(
+        caller.fail(
             "a probability target that requires grad is not supported: the loss is "
             "not differentiated with respect to target; pass target.detach()"
         )
 
 
-def _check_index_target(target: torch.Tensor, shapes: Shapes) -> None:
+def _check_index_target(caller: Caller, target: torch.Tensor, shapes: Shapes) -> None:
     if target.is_floating_point():
-        _fail(
+        caller.fail(
             f"a floating target is read as class probabilities and must have the logits' "
             f"shape {shapes.logits} (*batch, num_classes, *out_features), got "
             f"{tuple(target.shape)}; class-index targets must be integers of shape {shapes.loss}"
         )
     if target.dtype not in _INDEX_DTYPES:
-        _fail(f"class-index target must be an integer tensor (int64 or int32), got {target.dtype}")
+        caller.fail(
+            "class-index target must be an integer tensor (int64, int32, int16, int8 or "
+            f"uint8), got {target.dtype}"
+        )
     if tuple(target.shape) != shapes.loss:
-        _fail(
-            f"class-index target must have shape {shapes.loss} (input's batch shape "
-            f"{shapes.batch} then out_features {shapes.out_features}), got {tuple(target.shape)}"
+        caller.fail(
+            f"class-index target must have shape {shapes.loss} ({caller.arg('input')}'s batch "
+            f"shape {shapes.batch} then out_features {shapes.out_features}), got "
+            f"{tuple(target.shape)}"
         )
 
 
 def check_target(
+    caller: Caller,
     target: torch.Tensor,
     shapes: Shapes,
     dtype: torch.dtype,
@@ -310,48 +382,60 @@ def check_target(
     the logits' shape) rather than class indices (integers of the loss shape)."""
     probability_target = target.is_floating_point() and tuple(target.shape) == shapes.logits
     if probability_target:
-        _check_probability_target(target, dtype, ignore_index, shift)
+        _check_probability_target(caller, target, dtype, ignore_index, shift)
     else:
-        _check_index_target(target, shapes)
+        _check_index_target(caller, target, shapes)
     return probability_target
 
 
-def check_class_weight(weight: torch.Tensor | None, num_classes: int, dtype: torch.dtype) -> None:
+def check_class_weight(
+    caller: Caller, weight: torch.Tensor | None, num_classes: int, dtype: torch.dtype
+) -> None:
     """Class weights, when given, are ``(num_classes,)`` in the input's dtype, without grad."""
     if weight is None:
         return
     if tuple(weight.shape) != (num_classes,):
-        _fail(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
+        caller.fail(
+            f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}"
+        )
     if weight.dtype != dtype:
-        _fail(f"weight (class weights) must have the input's dtype {dtype}, got {weight.dtype}")
+        caller.fail(
+            f"weight (class weights) must have the {caller.arg('input')}'s dtype {dtype}, "
+            f"got {weight.dtype}"
+        )
     if weight.requires_grad:
-        _fail(
+        caller.fail(
             "weight (class weights) that requires grad is not supported: the loss is not "
             "differentiated with respect to class weights; pass weight.detach()"
         )
 
 
-def check_token_weight(token_weight: torch.Tensor | None, loss_shape: tuple[int, ...]) -> None:
+def check_token_weight(
+    caller: Caller, token_weight: torch.Tensor | None, loss_shape: tuple[int, ...]
+) -> None:
     """Token weights, when given, are floating, of the per-token loss shape, without grad."""
     if token_weight is None:
         return
     if tuple(token_weight.shape) != loss_shape:
-        _fail(
+        caller.fail(
             f"token_weight must have the per-token loss shape {loss_shape}, got "
             f"{tuple(token_weight.shape)}"
         )
     if not token_weight.is_floating_point():
-        _fail(f"token_weight must be a floating tensor, got {token_weight.dtype}")
+        caller.fail(f"token_weight must be a floating tensor, got {token_weight.dtype}")
     if token_weight.requires_grad:
-        _fail("token_weight that requires grad is not supported; pass token_weight.detach()")
+        caller.fail("token_weight that requires grad is not supported; pass token_weight.detach()")
 
 
-def check_shift_shape(shift: int, shapes: Shapes) -> None:
+def check_shift_shape(caller: Caller, shift: int, shapes: Shapes) -> None:
     """A label shift needs a sequence (last batch) dimension and no K dimensions."""
     if shift and not shapes.batch:
-        _fail("shift needs input of shape (..., T, in_features) with a sequence dimension")
+        caller.fail(
+            f"shift needs {caller.arg('input')} of shape (..., T, in_features) with a "
+            "sequence dimension"
+        )
     if shift and shapes.out_features:
-        _fail("shift cannot be combined with K-dimensional loss")
+        caller.fail("shift cannot be combined with K-dimensional loss")
 
 
 def shifted_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
@@ -405,35 +489,42 @@ def check_call(
     shift: bool | int = False,
     token_weight: torch.Tensor | None = None,
     num_classes: int | None = None,
+    name: str = "linear_cross_entropy",
+    renamed: Mapping[str, str] | None = None,
 ) -> Call:
     """Validate a ``linear_cross_entropy`` call and reshape it to rows (see :class:`Call`).
 
     ``num_classes`` is the whole vocabulary's ``C`` when ``linear_weight`` (and
     ``linear_bias``) hold a vocab-parallel shard of it (:mod:`linear_ce.distributed`):
     class weights and probability targets are checked against it, the bias
-    against the shard. ``None`` means ``linear_weight.shape[0]``.
+    against the shard. ``None`` means ``linear_weight.shape[0]``. Errors start with
+    ``name``, the public function called, and give each argument the name ``renamed``
+    maps it to (see :class:`Caller`).
     """
+    caller = _caller(name, renamed)
     tensors = {"input": input, "linear_weight": linear_weight, "target": target}
     extras = {"linear_bias": linear_bias, "weight": weight, "token_weight": token_weight}
-    check_tensor_types(tensors, extras)
-    check_reduction(reduction)
-    check_label_smoothing(label_smoothing)
-    check_z_loss(z_loss)
-    check_softcap(softcap)
-    check_ignore_index(ignore_index)
-    shift = check_shift(shift)
+    check_tensor_types(caller, tensors, extras)
+    check_reduction(caller, reduction)
+    check_label_smoothing(caller, label_smoothing)
+    check_z_loss(caller, z_loss)
+    check_softcap(caller, softcap)
+    check_ignore_index(caller, ignore_index)
+    shift = check_shift(caller, shift)
 
-    check_matching_dtypes(input, linear_weight)
-    shapes = check_shapes(input, linear_weight, num_classes)
-    check_devices({**tensors, **extras})
-    check_linear_bias(linear_bias, shapes, input.dtype)
-    check_k_dim(shapes, input, linear_weight)
-    probability_target = check_target(target, shapes, input.dtype, ignore_index, shift)
-    check_class_weight(weight, shapes.num_classes, input.dtype)
-    check_token_weight(token_weight, shapes.loss)
-    check_shift_shape(shift, shapes)
+    check_matching_dtypes(caller, input, linear_weight)
+    shapes = check_shapes(caller, input, linear_weight, num_classes)
+    check_devices(caller, {**tensors, **extras})
+    check_linear_bias(caller, linear_bias, shapes, input.dtype)
+    check_k_dim(caller, shapes, input, linear_weight)
+    probability_target = check_target(caller, target, shapes, input.dtype, ignore_index, shift)
+    check_class_weight(caller, weight, shapes.num_classes, input.dtype)
+    check_token_weight(caller, token_weight, shapes.loss)
+    check_shift_shape(caller, shift, shapes)
 
     resolved_ignore = DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index
+    if not probability_target:
+        target = _widened_target(target, resolved_ignore)
     if shift:
         target = shifted_target(target, shift, resolved_ignore)
     flat_input, flat_weight, flat_target, flat_bias, flat_token_weight = to_rows(
@@ -454,6 +545,7 @@ def check_call(
         softcap=None if softcap is None else float(softcap),
         loss_shape=shapes.loss,
         weight_shape=tuple(linear_weight.shape),
+        name=name,
     )
 
 
@@ -471,23 +563,25 @@ def check_token_call(
     softcap: float | None,
     flags: dict[str, object],
     num_classes: int | None = None,
+    renamed: Mapping[str, str] | None = None,
 ) -> Call:
     """Validate a per-token call (``token_logprobs``, ``token_objective`` and their
-    vocab-parallel forms; errors name ``name``): integer token ids, a 2-D head, an int
-    ``ignore_index``, bool ``flags``, then :func:`check_call` with ``reduction="none"``
-    and the logits transform."""
+    vocab-parallel forms; errors name ``name`` and the arguments as ``renamed`` maps
+    them): integer token ids, a 2-D head, an int ``ignore_index``, bool ``flags``, then
+    :func:`check_call` with ``reduction="none"`` and the logits transform."""
+    caller = _caller(name, renamed)
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
-        raise ValueError(f"{name}: target must be an integer tensor of token ids, got {got}")
+        caller.fail(f"target must be an integer tensor of token ids, got {got}")
     if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
         got = getattr(linear_weight, "shape", type(linear_weight).__name__)
         got = tuple(got) if isinstance(got, torch.Size) else got
-        raise ValueError(f"{name}: linear_weight must have shape (V, in_features), got {got}")
+        caller.fail(f"{caller.arg('linear_weight')} must have shape (V, in_features), got {got}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"{name}: ignore_index must be an int, got {ignore_index!r}")
+        caller.fail(f"ignore_index must be an int, got {ignore_index!r}")
     for flag, value in flags.items():
         if not isinstance(value, bool):
-            raise ValueError(f"{name}: {flag} must be a bool, got {value!r}")
+            caller.fail(f"{flag} must be a bool, got {value!r}")
     call = check_call(
         input,
         linear_weight,
@@ -500,8 +594,11 @@ def check_token_call(
         softcap=softcap,
         shift=shift,
         num_classes=num_classes,
+        name=name,
+        renamed=renamed,
     )
-    check_scales(name, logit_scale, temperature)
+    check_scale(caller, "logit_scale", logit_scale)
+    check_scale(caller, "temperature", temperature)
     return with_scales(call, logit_scale, temperature)
 
 

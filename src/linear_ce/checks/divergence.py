@@ -8,11 +8,21 @@ import math
 
 import torch
 
-from linear_ce.checks.call import Call, check_softcap, check_token_call
+from linear_ce.checks.call import Call, Caller, check_scale, check_softcap, check_token_call
 from linear_ce.engine.plan import acc_dtype_for
-from linear_ce.engine.transform import LogitTransform, check_scales
+from linear_ce.engine.transform import LogitTransform
 
 __all__ = ["DivergenceCall", "check_divergence_call", "check_teacher"]
+
+# The student's head goes through the checks of a per-token call, whose arguments are
+# named for a single head; errors call them by the names linear_divergence gives them.
+_STUDENT_NAMES = {
+    "input": "student_input",
+    "linear_weight": "student_weight",
+    "linear_bias": "student_bias",
+    "softcap": "student_softcap",
+    "logit_scale": "student_logit_scale",
+}
 
 
 def check_teacher(
@@ -150,8 +160,8 @@ def check_divergence_call(
         fail("hard_weight > 0 needs target (the hard labels)")
     if not isinstance(return_entropy, bool):
         fail(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_softcap(teacher_softcap)
-    check_scales(name, teacher_logit_scale, temperature)
+    check_softcap(Caller(name), teacher_softcap, "teacher_softcap")
+    check_scale(Caller(name), "teacher_logit_scale", teacher_logit_scale)
     batch = tuple(student_input.shape[:-1])
     if target is None:
         target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
@@ -168,6 +178,7 @@ def check_divergence_call(
         softcap=student_softcap,
         flags={},
         num_classes=num_classes,
+        renamed=_STUDENT_NAMES,
     )
     teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
     teacher_transform = LogitTransform(

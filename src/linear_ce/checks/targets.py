@@ -31,6 +31,6 @@ def check_class_indices(
 
 def check_targets(call: Call, num_classes: int) -> None:
     """:func:`check_class_indices` of a class-index call over ``num_classes`` classes (the
-    whole vocabulary's for a vocab-parallel shard)."""
+    whole vocabulary's for a vocab-parallel shard); errors name ``call.name``."""
     if not call.probability_target:
-        check_class_indices(call.target, call.ignore_index, num_classes)
+        check_class_indices(call.target, call.ignore_index, num_classes, call.name)

@@ -7,8 +7,10 @@ is the same on every call.
 
 The environment variable ``LINEAR_CE_NATIVE_HALF_GEMM=0`` makes every CPU
 answer ``False``, so the path for CPUs without native half GEMMs runs (and is
-tested and benchmarked) on any machine; ``1`` or unset means detect. It is read
-on every call.
+tested and benchmarked) on any machine; ``1``, ``auto`` or unset means detect. It
+is read on every call. Whether the plan then *takes* the native GEMMs the flags
+promise is :func:`linear_ce.engine.machine.half_gemm_pays`'s answer: measured under
+``auto`` (a CPU's fp16 GEMMs may run no faster than its fp32 ones), always under ``1``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import os
 
 import torch
 
-__all__ = ["HALF_DTYPES", "NATIVE_HALF_GEMM_ENV", "native_half_gemm"]
+__all__ = [
+    "HALF_DTYPES",
+    "NATIVE_HALF_GEMM_ENV",
+    "cpu_flags",
+    "native_half_gemm",
+    "native_half_mode",
+]
 
 NATIVE_HALF_GEMM_ENV = "LINEAR_CE_NATIVE_HALF_GEMM"
 #: The half dtypes: computed in fp32 by default, with their own GEMM paths.
@@ -29,6 +37,11 @@ _CPU_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    return _cpu_flags()
 
 
 @functools.cache
@@ -49,6 +62,8 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     CUDA: always. CPU: when the CPU advertises the instructions oneDNN uses
     (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer),
     unless ``LINEAR_CE_NATIVE_HALF_GEMM=0`` (see the module doc).
+    (This is whether they exist; :func:`linear_ce.engine.machine.half_gemm_pays` decides
+    whether the plan takes them.)
 
     Example::
 
@@ -64,12 +79,20 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     return any(flag in _cpu_flags() for flag in _CPU_FLAGS[dtype])
 
 
-def _detect_on_cpu() -> bool:
-    """False when ``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the non-native path."""
-    value = os.environ.get(NATIVE_HALF_GEMM_ENV, "1").strip()
-    if value not in ("0", "1", ""):
+def native_half_mode() -> str:
+    """``LINEAR_CE_NATIVE_HALF_GEMM``: ``"0"`` (never native), ``"1"`` (native wherever
+    the flags allow) or ``"auto"`` (unset: native where the flags allow and it measures
+    faster)."""
+    value = os.environ.get(NATIVE_HALF_GEMM_ENV, "auto").strip() or "auto"
+    if value not in ("0", "1", "auto"):
         raise ValueError(
             f"{NATIVE_HALF_GEMM_ENV} must be 0 (CPUs use the path without native half "
-            f"GEMMs) or 1 (detect, the default), got {value!r}"
+            f"GEMMs), 1 (native half GEMMs wherever the CPU has them) or auto (where it has "
+            f"them and they measure faster than fp32, the default), got {value!r}"
         )
-    return value != "0"
+    return value
+
+
+def _detect_on_cpu() -> bool:
+    """False when ``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the non-native path."""
+    return native_half_mode() != "0"

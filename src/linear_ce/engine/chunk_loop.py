@@ -155,10 +155,15 @@ def run_chunks(
     grad_bias: bool,
     vocab: Vocab | None = None,
     companion: Companion | None = None,
+    chunks: list[list[RowChunk]] | None = None,
 ) -> Gradients:
     """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``
     (and a ``companion`` head over the same rows); returns the gradients of the head's
-    loss (its upstream gradients folded in)."""
+    loss (its upstream gradients folded in).
+
+    ``chunks``: each position's chunks of rows, given by the caller instead of
+    ``row_chunks(head.valid, ...)`` (a head whose chunks must hold whole sequences,
+    :mod:`linear_ce.engine.sequence_layout`); none longer than ``plan.rows_per_chunk``."""
     rows, in_features = input.shape
     local_classes, positions, _ = weight.shape
     vocab = vocab or LocalVocab(local_classes)
@@ -166,7 +171,8 @@ def run_chunks(
     want_grads = grad_input or grad_weight or grad_bias
 
     chunk = min(plan.rows_per_chunk, max(rows, 1))
-    chunks = row_chunks(head.valid, chunk, device)
+    if chunks is None:
+        chunks = row_chunks(head.valid, chunk, device)
     gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
     # A half tile (see the module doc): the chunk's logits and gradient in the input
     # dtype, the fp32 math a step of rows at a time in a tile of that many rows.

@@ -58,9 +58,12 @@ def vocab_blocks(classes: int, features: int, elements: int | None = None) -> It
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """Base: operands in ``operand_dtype``; results in the accumulation dtype."""
+    """Base: operands in ``operand_dtype``; results in the accumulation dtype;
+    ``class_major``: the layout of :meth:`logits_buffer` (the plan measures which one
+    this machine's GEMMs prefer, :mod:`linear_ce.engine.machine`)."""
 
     operand_dtype: torch.dtype
+    class_major: bool = True
 
     def operand(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.operand_dtype else t.to(self.operand_dtype)
@@ -71,10 +74,13 @@ class Gemm:
     def logits_buffer(
         self, rows: int, classes: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """The ``(rows, classes)`` logits buffer, stored class-major (a ``(classes,
-        rows)`` array used as its transpose): the logits GEMM then forms ``W·xᵀ``,
-        which MKL runs ~30% faster than ``x·Wᵀ`` at chunk-sized ``rows``, and the
-        weight-gradient GEMM reads it without a transpose."""
+        """The ``(rows, classes)`` logits buffer: class-major (a ``(classes, rows)`` array
+        used as its transpose), so the logits GEMM forms ``W·xᵀ``, which MKL runs ~30%
+        faster than ``x·Wᵀ`` at chunk-sized ``rows`` on a 2-core Zen 4, and the
+        weight-gradient GEMM reads it without a transpose; or row-major where
+        ``class_major`` is false."""
+        if not self.class_major:
+            return torch.empty((rows, classes), dtype=dtype, device=device)
         return torch.empty((classes, rows), dtype=dtype, device=device).T
 
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -135,7 +141,8 @@ class BlockUpcast(Gemm):
         return weight
 
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        # ``out`` is class-major: each block of classes is a contiguous slab of ``out.T``.
+        # Class-major ``out``: each block of classes is a contiguous slab of ``out.T``
+        # (row-major: a strided one, which the GEMM writes as the transposed product).
         for block, part in self._upcast_blocks(weight):
             torch.mm(part, x.T, out=out.T[block])
 

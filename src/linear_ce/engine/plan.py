@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 
 import torch
 
 from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
+from linear_ce.engine.machine import half_gemm_pays, memory_budget, tuning_for
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
@@ -38,9 +40,10 @@ MIN_EFFICIENT_ROWS = 128
 #: logits GEMM of 553 rows runs at 126 GFLOP/s, of 544 rows at 192.
 ROW_MULTIPLE = 32
 #: The ``"budget"`` rule lets the per-chunk scratch take this share of the gradients' bytes:
-#: with the gradients themselves that is ≈ 1.25× their bytes, inside the 1.3× bound. A larger
-#: share buys little: with the class-major logits buffer the three GEMMs run at 160–180
-#: GFLOP/s from 256 rows on (D=1024, V=32768), within 10% of their rate at 2048 rows.
+#: with the gradients themselves that is ≈ 1.25× their bytes, inside the 1.3× bound. Within
+#: it the plan takes the smallest chunk this machine's GEMMs run at full rate with
+#: (:mod:`linear_ce.engine.machine`); ``LINEAR_CE_MEMORY_BUDGET`` sets another share, and every
+#: share below scales with it.
 BUDGET_SHARE = 0.25
 #: The share of the student's gradient bytes the two (or three) logits tiles of a
 #: distillation call (:mod:`linear_ce.ops.divergence`) may take: with the gradients
@@ -63,10 +66,11 @@ HALF_CPU_BUDGET_SHARE = 0.5
 #: instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on steps
 #: of this many rows.
 HALF_TILE_STEP_ROWS = 64
-#: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before its
-#: rows are split into groups: the block's three GEMMs have ``C`` as a dimension (and the
-#: input gradient's as its inner one), and stay within ~10% of their large-block rate from
-#: 512 classes on (2-core Zen 4, N=2048, D=1024).
+#: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
+#: its rows are split into groups, where it is not measured
+#: (:meth:`linear_ce.engine.machine.Tuning.min_class_block`): the block's three GEMMs have
+#: ``C`` as a dimension (and the input gradient's as its inner one), and stay within ~10% of
+#: their large-block rate from 512 classes on (2-core Zen 4, N=2048, D=1024).
 MIN_CLASS_BLOCK = 512
 #: Class blocks are rounded down to a multiple of this.
 CLASS_MULTIPLE = 128
@@ -136,6 +140,7 @@ def choose_chunk_rows(
     acc_dtype: torch.dtype,
     tiles: int = 1,
     share: float = BUDGET_SHARE,
+    pick: Callable[[int], int] | None = None,
 ) -> int:
     """Rows per chunk, by the documented rule of ``options.chunking_method``.
 
@@ -144,8 +149,9 @@ def choose_chunk_rows(
     (default ``BUDGET_SHARE``) of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
-    than ``rows``; then evened out over the same number of chunks (each rounded up
-    to a multiple of ``ROW_MULTIPLE``, within the budget).
+    than ``rows``; ``pick`` (the machine's choice, :meth:`linear_ce.engine.machine.Tuning.rows`)
+    may take fewer; then evened out over the same number of chunks (each rounded up to a
+    multiple of ``ROW_MULTIPLE``, within the budget).
     ``"aspect_ratio[:N]"``: torch's rule, ``next_pow2(ceil(rows / ceil(V / F))) / N``.
     """
     if rows == 0:
@@ -162,7 +168,10 @@ def choose_chunk_rows(
     grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
     row_bytes = num_classes * acc_dtype.itemsize * tiles
     budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
-    return _evened(_budgeted_rows(budget_rows, rows, divisor), rows)
+    chunk = _budgeted_rows(budget_rows, rows, divisor)
+    if pick is not None:
+        chunk = max(1, min(pick(chunk), chunk))
+    return _evened(chunk, rows)
 
 
 def _budgeted_rows(budget_rows: int, rows: int, divisor: int) -> int:
@@ -194,6 +203,7 @@ def choose_vocab_blocks(
     bytes_per_logit: float,
     bytes_per_row: float = 0.0,
     share: float = BUDGET_SHARE,
+    min_class_block: int = MIN_CLASS_BLOCK,
 ) -> tuple[int, int]:
     """``(rows per group, classes per block)`` of the vocabulary pass.
 
@@ -203,7 +213,8 @@ def choose_vocab_blocks(
     upcast copy), and together they may take the same budget as the chunk loop's,
     ``share / N`` of the gradients' bytes for ``"budget[:N]"``/``"auto"``. Every row
     goes into one group, so each block's weight gradient is one GEMM over all rows,
-    unless that leaves fewer than ``MIN_CLASS_BLOCK`` classes: then groups of rows are
+    unless that leaves fewer than ``min_class_block`` classes (``MIN_CLASS_BLOCK``, or the
+    machine's measured choice): then groups of rows are
     sized for that many classes (never fewer than ``MIN_EFFICIENT_ROWS`` rows). ``batch_chunk_size``,
     ``"aspect_ratio"`` and ``None`` set the groups as they set the chunk loop's chunks.
     Blocks are rounded down to a multiple of ``CLASS_MULTIPLE``, within ``[1, V]``.
@@ -213,7 +224,7 @@ def choose_vocab_blocks(
     method, divisor = parse_chunking_method(options.chunking_method)
     budget = share * (rows + num_classes) * in_features * input_dtype.itemsize / divisor
     budgeted = options.batch_chunk_size is None and method in ("auto", "budget")
-    smallest = MIN_CLASS_BLOCK * bytes_per_logit + bytes_per_row
+    smallest = min_class_block * bytes_per_logit + bytes_per_row
     if budgeted:
         group = rows
         if group * smallest > budget:
@@ -223,7 +234,7 @@ def choose_vocab_blocks(
     classes = int(max(budget - group * bytes_per_row, 0) // (group * bytes_per_logit))
     if classes >= CLASS_MULTIPLE:
         classes -= classes % CLASS_MULTIPLE
-    return group, max(1, min(num_classes, max(classes, MIN_CLASS_BLOCK // divisor)))
+    return group, max(1, min(num_classes, max(classes, min_class_block // divisor)))
 
 
 def acc_dtype_for(input_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -291,7 +302,15 @@ def make_plan(
 
     ``share`` is the chunk rule's share of the gradients' bytes (see
     :func:`choose_chunk_rows`); ``None``: ``HALF_CPU_BUDGET_SHARE`` for half inputs on a
-    CPU without native half GEMMs (``BlockUpcast``), else ``BUDGET_SHARE``.
+    CPU without native half GEMMs (``BlockUpcast``), else ``BUDGET_SHARE``. Every share is
+    scaled by ``LINEAR_CE_MEMORY_BUDGET / BUDGET_SHARE`` where that is set.
+
+    The machine's choices (:mod:`linear_ce.engine.machine`, measured or the fixed fallback): the
+    native half GEMMs the CPU's flags promise are taken where they run faster than fp32;
+    fp32/fp64 chunks are the smallest within the budget that run the GEMMs at full rate
+    (half inputs keep the budget's longest: their weight-gradient sum pays per chunk); the
+    logits tile takes the layout the GEMMs run faster in; the vocabulary pass's fewest
+    classes per block are those its GEMMs reach full rate at.
 
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
@@ -307,7 +326,12 @@ def make_plan(
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
     half_cpu = mixed and device.type == "cpu" and acc_dtype == torch.float32
-    native_cpu = half_cpu and native_half_gemm(input_dtype, device)
+    flops = 6.0 * rows * in_features * num_classes
+    native_cpu = (
+        half_cpu
+        and native_half_gemm(input_dtype, device)
+        and half_gemm_pays(input_dtype, device, in_features, flops)
+    )
     policy = options.acc_policy
     if policy == "auto":
         policy = "balanced" if half_cpu else "accurate"
@@ -325,6 +349,9 @@ def make_plan(
     half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
     if share is None:
         share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) or half else BUDGET_SHARE
+    scale = (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
+    share *= scale
+    tuning = tuning_for(device, gemm.operand_dtype, in_features, flops)
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
@@ -344,15 +371,34 @@ def make_plan(
         if gemm.operand_dtype != input_dtype:
             per_row += in_features * gemm.operand_dtype.itemsize
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
-            rows, in_features, num_classes, options, input_dtype, acc_dtype, per_logit, per_row
+            rows,
+            in_features,
+            num_classes,
+            options,
+            input_dtype,
+            acc_dtype,
+            per_logit,
+            per_row,
+            BUDGET_SHARE * scale,
+            tuning.min_class_block(MIN_CLASS_BLOCK),
         )
     else:
         # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
         tile_dtype, tile_count = (input_dtype, 1) if half else (acc_dtype, tiles)
+        # Half inputs on a CPU keep the budget's longest chunks (see the docstring).
+        pick = None if half_cpu else tuning.rows
 
         def chunk_rows(share: float) -> int:
             return choose_chunk_rows(
-                rows, in_features, num_classes, options, input_dtype, tile_dtype, tile_count, share
+                rows,
+                in_features,
+                num_classes,
+                options,
+                input_dtype,
+                tile_dtype,
+                tile_count,
+                share,
+                pick,
             )
 
         rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
@@ -363,6 +409,8 @@ def make_plan(
             if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
                 weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
     rows_per_step = min(rows_per_chunk, HALF_TILE_STEP_ROWS) if half else rows_per_chunk
+    if not (half or vocab_pass):
+        gemm = dataclasses.replace(gemm, class_major=tuning.class_major(rows_per_chunk))
     return Plan(
         rows_per_chunk=rows_per_chunk,
         rows_per_step=rows_per_step,

@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -115,6 +117,16 @@ LOGIT_SCALES: dict[str, Callable[[nn.Module], float]] = {
 }
 
 _MARK = "__linear_ce_original__"
+# Patching and unpatching check, then change, a forward: one lock makes that one step
+# when several threads patch (the same model or class) at once.
+_lock = threading.RLock()
+# The forwards _fused_forward made. functools.wraps copies _MARK onto a wrapper put on top
+# of ours; only identity tells ours from it.
+_ours: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+# Each class patch_model_class() patched -> the forward it installed there.
+_class_patches: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+# One lock per lm_head: its forward is swapped for one call (see _loss_through_head).
+_head_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 # Keywords that only shape the logits output, which the training path does not build.
 _LOGITS_KEYWORDS = ("logits_to_keep", "num_logits_to_keep")
 
@@ -149,6 +161,16 @@ def _original(forward: Callable[..., Any]) -> Callable[..., Any]:
     return getattr(forward, _MARK, forward)
 
 
+def _is_ours(forward: object) -> bool:
+    """Whether ``forward`` (a function or a method bound to a model) is one :func:`patch` or
+    :func:`patch_model_class` installed, not a wrapper around one."""
+    function = getattr(forward, "__func__", forward)
+    try:
+        return function in _ours
+    except TypeError:  # not weak-referenceable: no function of ours
+        return False
+
+
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` (by :func:`patch`) or its class (by :func:`patch_model_class`) is patched."""
     return hasattr(getattr(model.forward, "__func__", model.forward), _MARK)
@@ -175,26 +197,43 @@ def patch(model: ModelT) -> ModelT:
     """
     family = _family(type(model))
     _check_instance(model)
-    own_forward = vars(model).get("forward")
-    if own_forward is not None and not hasattr(getattr(own_forward, "__func__", None), _MARK):
-        raise TypeError(
-            f"this {type(model).__name__} already has its own forward on the instance (e.g. "
-            "accelerate's device hooks); call patch(model) before wrapping or dispatching it"
-        )
-    if not is_patched(model):
-        model.forward = _fused_forward(_original(family.forward)).__get__(model)
+    with _lock:
+        own_forward = vars(model).get("forward")
+        if own_forward is not None and not _is_ours(own_forward):
+            if is_patched(model):  # ours, under a wrapper that copied its attributes
+                return model
+            raise TypeError(
+                f"this {type(model).__name__} already has its own forward on the instance (e.g. "
+                "accelerate's device hooks); call patch(model) before wrapping or dispatching it"
+            )
+        if not is_patched(model):
+            model.forward = _fused_forward(_original(family.forward)).__get__(model)
     return model
 
 
 def unpatch(model: ModelT) -> ModelT:
-    """Undo :func:`patch`: ``model`` computes its loss from the logits again. Returns ``model``."""
-    if not hasattr(getattr(vars(model).get("forward"), "__func__", None), _MARK):
+    """Undo :func:`patch`: ``model`` computes its loss from the logits again. Returns ``model``.
+
+    Raises ``ValueError``, changing nothing, when ``model`` was not patched by
+    :func:`patch`, or when another wrapper replaced its ``forward`` after :func:`patch`
+    (undoing ours would drop that one): remove that wrapper first.
+    """
+    with _lock:
+        own_forward = vars(model).get("forward")
+        if own_forward is not None and _is_ours(own_forward):
+            del model.forward
+            return model
+    name = type(model).__name__
+    if own_forward is not None and is_patched(model):
         raise ValueError(
-            f"unpatch: this {type(model).__name__} was not patched by patch(); a class patched by "
-            "patch_model_class() is undone with unpatch_model_class()"
+            f"unpatch: this {name}'s forward was wrapped again after patch() (by "
+            f"{own_forward!r}); linear_ce's patch is under that wrapper and stays: remove the "
+            "wrapper first"
         )
-    del model.forward
-    return model
+    raise ValueError(
+        f"unpatch: this {name} was not patched by patch() (or its forward was replaced since); "
+        "a class patched by patch_model_class() is undone with unpatch_model_class()"
+    )
 
 
 def patch_model_class(cls: ClassT) -> ClassT:
@@ -216,21 +255,35 @@ def patch_model_class(cls: ClassT) -> ClassT:
         raise TypeError(
             f"patch_model_class: patch {family.__name__} itself, not its subclass {cls.__name__}"
         )
-    if not hasattr(cls.forward, _MARK):
-        cls.forward = _fused_forward(cls.forward)
+    with _lock:
+        if not hasattr(cls.forward, _MARK):
+            forward = _fused_forward(cls.forward)
+            _class_patches[cls] = forward
+            cls.forward = forward
     return cls
 
 
 def unpatch_model_class(cls: ClassT) -> ClassT:
-    """Undo :func:`patch_model_class`. Returns ``cls``."""
-    forward = vars(cls).get("forward")
-    if not hasattr(forward, _MARK):
+    """Undo :func:`patch_model_class`. Returns ``cls``.
+
+    Raises ``ValueError``, changing nothing, when ``cls`` was not patched by
+    :func:`patch_model_class`, or when another patch replaced ``cls.forward`` after it
+    (undoing ours would drop that one): undo that patch first.
+    """
+    name = getattr(cls, "__name__", cls)
+    with _lock:
+        forward = vars(cls).get("forward") if isinstance(cls, type) else None
+        ours = _class_patches.get(cls) if isinstance(cls, type) else None
+        if ours is not None and forward is ours:
+            cls.forward = getattr(forward, _MARK)
+            del _class_patches[cls]
+            return cls
+    if ours is not None and hasattr(forward, _MARK):
         raise ValueError(
-            f"unpatch_model_class: {getattr(cls, '__name__', cls)!r} was not "
-            "patched by patch_model_class()"
+            f"unpatch_model_class: {name}.forward was patched again after patch_model_class() "
+            f"(by {forward!r}); linear_ce's patch is under it and stays: undo that patch first"
         )
-    cls.forward = getattr(forward, _MARK)
-    return cls
+    raise ValueError(f"unpatch_model_class: {name!r} was not patched by patch_model_class()")
 
 
 def _check_instance(model: nn.Module) -> None:
@@ -273,6 +326,7 @@ def _fused_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         return _training_forward(self, arguments)
 
     setattr(forward, _MARK, original)
+    _ours.add(forward)
     return forward
 
 
@@ -337,12 +391,17 @@ def _loss_through_head(
             input, weight, target, linear_bias=bias, loss_dtype=wide, **loss_args
         )
 
-    own_forward = vars(head).get("forward")
-    head.forward = loss_forward
-    try:
-        return head(hidden)
-    finally:
-        if own_forward is None:
-            del head.forward
-        else:
-            head.forward = own_forward
+    # Overlapping calls through one head (threads) would each restore the forward they saw
+    # on entry, one of them the other's loss: the swap, call and restore run one at a time.
+    with _lock:
+        head_lock = _head_locks.setdefault(head, threading.RLock())
+    with head_lock:
+        own_forward = vars(head).get("forward")
+        head.forward = loss_forward
+        try:
+            return head(hidden)
+        finally:
+            if own_forward is None:
+                del head.forward
+            else:
+                head.forward = own_forward

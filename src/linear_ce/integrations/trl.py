@@ -55,6 +55,13 @@ Fail loudly: :func:`patch` first checks that the installed TRL has the functions
 signatures and call site this adapter was written against and raises
 :class:`UnsupportedTRLVersion`, naming the supported range, if it does not.
 
+Patching is process-wide and thread-safe. :func:`patch` twice patches once (the second
+call's options apply); :func:`patched` blocks may nest or overlap, also across threads:
+TRL stays patched, with the options of the last block entered among those open, until
+the last one exits, then is as :func:`patch`/:func:`unpatch` left it. :func:`unpatch`
+leaves another library's patch of the same TRL attribute, made after ours, in place
+(with a ``RuntimeWarning``) rather than overwrite it with TRL's original.
+
 Example::
 
     >>> from linear_ce.integrations import trl as linear_ce_trl
@@ -72,7 +79,9 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -354,8 +363,27 @@ _SWAPS = (
     _Swap(_DISTILLATION, "_chunked_divergence_loss", _check_divergence_loss, _DistillationLoss),
 )
 
-# (module, name) -> the attribute before patch(); empty when unpatched.
+_PATCH = "linear_ce.integrations.trl.patch"
+_PATCHED = "linear_ce.integrations.trl.patched"
+
+
+class _Unpatched:
+    """What TRL is wanted as when neither :func:`patch` nor a :func:`patched` block is in effect."""
+
+
+_UNPATCHED = _Unpatched()
+
+# Every change of the state below runs under this lock, so that patch(), unpatch() and
+# patched() blocks entered and left by several threads leave TRL in one defined state.
+_lock = threading.RLock()
+# (module, name) -> the attribute before the first patch; empty when unpatched.
 _originals: dict[tuple[str, str], object] = {}
+# (module, name) -> the replacement installed there (its options updated in place).
+_installed: dict[tuple[str, str], object] = {}
+# The options of the last patch() not undone by unpatch(), or _UNPATCHED.
+_explicit: LinearCrossEntropyOptions | _Unpatched | None = _UNPATCHED
+# The patched() blocks now open, in the order they were entered: (block, options).
+_blocks: list[tuple[object, LinearCrossEntropyOptions | None]] = []
 
 
 def _import_trl() -> str:
@@ -378,16 +406,13 @@ def _missing_attribute(swap: _Swap) -> str | None:
     return None
 
 
-def patch(options: LinearCrossEntropyOptions | None = None) -> None:
-    """Make TRL's fused LM head run on :func:`linear_ce.token_logprobs`, for every
-    model, including those TRL patched before this call.
-
-    ``options`` (:class:`~linear_ce.LinearCrossEntropyOptions`) set the chunking and
-    precision. Calling ``patch`` again replaces the options. Raises
-    :class:`UnsupportedTRLVersion` (nothing is patched) when the installed TRL differs
-    from ``trl`` :data:`SUPPORTED_TRL` in what this adapter relies on, and
-    ``ImportError`` without TRL.
-    """
+def _install(options: LinearCrossEntropyOptions | None) -> None:
+    """TRL patched with ``options``: the replacements made (after checking every one)
+    the first time, their options updated after that."""
+    if _installed:
+        for replacement in _installed.values():
+            replacement.options = options
+        return
     version = _import_trl()
     problems = []
     for swap in _SWAPS:
@@ -404,33 +429,124 @@ def patch(options: LinearCrossEntropyOptions | None = None) -> None:
         )
     for swap in _SWAPS:
         module = importlib.import_module(swap.module)
-        _originals.setdefault((swap.module, swap.name), getattr(module, swap.name))
-        setattr(module, swap.name, swap.make(options))
+        replacement = swap.make(options)
+        _originals[swap.module, swap.name] = getattr(module, swap.name)
+        _installed[swap.module, swap.name] = replacement
+        setattr(module, swap.name, replacement)
+
+
+def _restore() -> None:
+    """TRL's own attributes back, except where another patch now sits on top of ours:
+    that one stays (it may call ours, or have saved ours to restore later), with a
+    warning, and ours is forgotten."""
+    covered = []
+    for key, replacement in _installed.items():
+        module = importlib.import_module(key[0])
+        if getattr(module, key[1], None) is replacement:
+            setattr(module, key[1], _originals[key])
+        else:
+            covered.append(".".join(key))
+    _installed.clear()
+    _originals.clear()
+    if covered:
+        warnings.warn(
+            f"linear_ce.integrations.trl: {', '.join(covered)} was patched again after "
+            "linear_ce patched it; that patch is left in place (TRL's own is not restored "
+            "there), so undo it yourself to get TRL's back",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _settle() -> None:
+    """TRL as the open :func:`patched` blocks (the last entered) or else :func:`patch`
+    want it."""
+    wanted = _blocks[-1][1] if _blocks else _explicit
+    if wanted is _UNPATCHED:
+        if _installed:
+            _restore()
+    else:
+        _install(wanted)
+
+
+def _check_options(options: object, name: str) -> None:
+    if options is not None and not isinstance(options, LinearCrossEntropyOptions):
+        raise TypeError(
+            f"{name}: options must be a linear_ce.LinearCrossEntropyOptions or None, got "
+            f"{type(options).__name__} {options!r}"
+        )
+
+
+def patch(options: LinearCrossEntropyOptions | None = None) -> None:
+    """Make TRL's fused LM head run on :func:`linear_ce.token_logprobs`, for every
+    model, including those TRL patched before this call.
+
+    ``options`` (:class:`~linear_ce.LinearCrossEntropyOptions`) set the chunking and
+    precision; anything else is a ``TypeError``, here rather than at the first forward.
+    Calling ``patch`` again replaces the options (TRL is patched once). Inside an open
+    :func:`patched` block that block's options apply; these apply once every block has
+    ended. Raises :class:`UnsupportedTRLVersion` (nothing is patched) when the installed
+    TRL differs from ``trl`` :data:`SUPPORTED_TRL` in what this adapter relies on, and
+    ``ImportError`` without TRL. Thread-safe.
+    """
+    global _explicit
+    _check_options(options, _PATCH)
+    with _lock:
+        before = _explicit
+        _explicit = options
+        try:
+            _settle()
+        except BaseException:
+            _explicit = before
+            raise
 
 
 def unpatch() -> None:
-    """Give TRL its own fused LM head back (nothing happens when it is not patched)."""
-    while _originals:
-        (module, name), original = _originals.popitem()
-        setattr(importlib.import_module(module), name, original)
+    """Give TRL its own fused LM head back (nothing happens when it is not patched).
+
+    Where another patch was applied on top of linear_ce's to the same TRL attribute,
+    that patch is left in place and a ``RuntimeWarning`` says so. Raises
+    ``RuntimeError`` (and changes nothing) while a :func:`patched` block is open: that
+    block ends the patch itself when it exits.
+    """
+    global _explicit
+    with _lock:
+        if _blocks:
+            raise RuntimeError(
+                f"linear_ce.integrations.trl.unpatch: {len(_blocks)} patched() block(s) are "
+                "open; TRL is unpatched when the last one exits"
+            )
+        _explicit = _UNPATCHED
+        _settle()
 
 
 def is_patched() -> bool:
     """Whether TRL's fused LM head currently runs on ``linear_ce``."""
-    return bool(_originals)
+    with _lock:
+        return bool(_installed)
 
 
 @contextlib.contextmanager
 def patched(options: LinearCrossEntropyOptions | None = None) -> Iterator[None]:
-    """:func:`patch` for the duration of a ``with`` block. On exit TRL is as before the
-    block: unpatched, or patched with the options it had."""
-    utils = importlib.import_module(_UTILS) if is_patched() else None
-    before = None if utils is None else utils._ChunkedLogProbFunction.options
-    patch(options)
+    """:func:`patch` for the duration of a ``with`` block.
+
+    Blocks may nest or overlap (in several threads): while any is open TRL is patched,
+    with the options of the one entered last among those still open; when the last
+    one exits, TRL is as :func:`patch`/:func:`unpatch` left it (unpatched, or patched
+    with :func:`patch`'s options), whatever order the blocks exit in.
+    """
+    _check_options(options, _PATCHED)
+    block = object()
+    with _lock:
+        _blocks.append((block, options))
+        try:
+            _settle()
+        except BaseException:
+            _blocks.pop()
+            raise
     try:
         yield
     finally:
-        if utils is None:
-            unpatch()
-        else:
-            patch(before)
+        with _lock:
+            _blocks[:] = [entry for entry in _blocks if entry[0] is not block]
+            _settle()

@@ -40,6 +40,8 @@ class ObjectiveHead(TokenLogprobHead):
         entropy: bool,
         side: dict[str, torch.Tensor],
         name: str,
+        grad_mode: bool,
+        differentiate: bool,
     ) -> None:
         super().__init__(
             target,
@@ -50,37 +52,75 @@ class ObjectiveHead(TokenLogprobHead):
             outputs=TokenOutputs(entropy=entropy),
         )
         self.objective, self.side, self.name = objective, side, name
+        self.grad_mode, self.differentiate = grad_mode, differentiate
         # A scalar: summed in float64 so the chunk sums do not round against each other.
         self.total = torch.zeros((), dtype=torch.float64, device=target.device)
+        self.chunk_grads: list[torch.Tensor | None] = [None, None]
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         super().rows_done(rows, p, stats)
         acc = self.logprob.dtype
+        side = {k: v[rows, p] for k, v in self.side.items()}
+        logprob = self.logprob[rows, p]
+        entropy = self.entropy[rows, p] if self.entropy_on else None
+        if not self.grad_mode:
+            # The caller runs without autograd: no gradient is wanted, none is taken.
+            self.total += self._losses(logprob, entropy, side).sum().double()
+            return
         with torch.enable_grad():
-            logprob = self.logprob[rows, p].detach().requires_grad_()
-            entropy = self.entropy[rows, p].detach().requires_grad_() if self.entropy_on else None
-            side = {k: v[rows, p] for k, v in self.side.items()}
-            loss = self.objective(logprob, entropy, **side)
-            if not isinstance(loss, torch.Tensor) or loss.shape != logprob.shape:
-                raise ValueError(
-                    f"{self.name}: objective must return one loss per token, a tensor of shape "
-                    f"{tuple(logprob.shape)} (the chunk's valid tokens), got "
-                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
-                )
+            logprob = logprob.detach().requires_grad_(self.differentiate)
+            if entropy is not None:
+                entropy = entropy.detach().requires_grad_(self.differentiate)
             leaves = [logprob] if entropy is None else [logprob, entropy]
-            total = loss.sum()
+            total = self._losses(logprob, entropy, side).sum()
+            self._refuse_other_leaves(total, leaves)
             grads = (
                 torch.autograd.grad(total, leaves, allow_unused=True)
-                if total.requires_grad
+                if self.differentiate and total.requires_grad
                 else [None] * len(leaves)
             )
         self.total += total.detach().double()
+        # No finiteness check: a NaN (in the hidden state, a side input, or made by the
+        # objective) reaches the gradients of the rows it touches, as in plain autograd.
         self.chunk_grads = [None if g is None else g.to(acc) for g in (*grads, None)[:2]]
-        for label, g in zip(("logprob", "entropy"), self.chunk_grads, strict=True):
-            if g is not None and not bool(torch.isfinite(g).all()):
-                raise FloatingPointError(
-                    f"{self.name}: the objective's gradient with respect to {label} is not "
-                    "finite for some token; check the objective and its side inputs"
+
+    def _losses(
+        self, logprob: torch.Tensor, entropy: torch.Tensor | None, side: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        loss = self.objective(logprob, entropy, **side)
+        if not isinstance(loss, torch.Tensor) or loss.shape != logprob.shape:
+            raise ValueError(
+                f"{self.name}: objective must return one loss per token, a tensor of shape "
+                f"{tuple(logprob.shape)} (the chunk's valid tokens), got "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            )
+        return loss
+
+    def _refuse_other_leaves(self, total: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        """Raises when the chunk's loss depends on a tensor that requires grad other than
+        ``leaves``: a tensor the objective closes over (side inputs are detached). Only
+        ``leaves`` are differentiated, so its gradient would be lost. A walk of the
+        objective's graph on the host: tens of nodes, no device work."""
+        if not total.requires_grad:
+            return
+        stack, seen = [total.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is None:
+                stack.extend(next_node for next_node, _ in node.next_functions)
+            elif not any(variable is leaf for leaf in leaves):
+                raise ValueError(
+                    f"{self.name}: objective's result depends on a tensor that requires grad "
+                    f"other than its logprob and entropy arguments (shape "
+                    f"{tuple(variable.shape)}, e.g. one it closes over); {self.name} "
+                    "differentiates the objective with respect to logprob and entropy only, "
+                    "so that tensor's gradient would be lost. Pass per-token data as a side "
+                    f"input ({self.name}(..., name=tensor.detach())), detach the tensor, or "
+                    f"apply a learnable factor outside the call (coef * {self.name}(...))"
                 )
 
     def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

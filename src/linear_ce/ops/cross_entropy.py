@@ -50,7 +50,8 @@ __all__ = [
 
 class CrossEntropyArguments(NamedTuple):
     """The arguments of both cross-entropy ops: a checked :class:`Call`, the upstream
-    gradient of its rows (``chunked_rows``'s backward), how it runs, which gradients."""
+    gradient of its rows (``chunked_rows``'s backward), how it runs, which gradients, and
+    the public function called (its errors name it)."""
 
     input: torch.Tensor
     linear_weight: torch.Tensor
@@ -68,6 +69,7 @@ class CrossEntropyArguments(NamedTuple):
     options: PlanOptions
     allow_retain_graph: bool
     needs: Needs
+    name: str = "linear_cross_entropy"
 
     @classmethod
     def of(
@@ -94,6 +96,7 @@ class CrossEntropyArguments(NamedTuple):
             PlanOptions.of(options),
             allow_retain_graph,
             needs,
+            call.name,
         )
 
     def call(self) -> Call:
@@ -115,6 +118,7 @@ class CrossEntropyArguments(NamedTuple):
             weight_shape=tuple(self.linear_weight.shape),
             logit_scale=self.transform.logit_scale,
             temperature=self.transform.temperature,
+            name=self.name,
         )
 
 

@@ -38,7 +38,7 @@ class DivergenceArguments(NamedTuple):
     ``(V, 1, F)`` and bias ``(V, 1)``, the teacher's, the ``(N, 1)`` target, the upstream
     gradient of each row (``"none"``'s backward), the divergence, each head's logits
     transform, the reduction, whether the student's entropy is returned, how it runs,
-    which gradients."""
+    which gradients, and the public function called (its errors name it)."""
 
     input: torch.Tensor
     linear_weight: torch.Tensor
@@ -58,6 +58,7 @@ class DivergenceArguments(NamedTuple):
     options: PlanOptions
     allow_retain_graph: bool
     needs: Needs
+    name: str = "linear_divergence"
 
 
 def _row_weight(valid: torch.Tensor, reduction: str, acc: torch.dtype) -> torch.Tensor:
@@ -78,7 +79,7 @@ def run_divergence(
     entropy is empty unless asked for."""
     target, input = args.target, args.input
     if args.hard_weight > 0.0:
-        check_class_indices(target, args.ignore_index, vocab.total, "linear_divergence")
+        check_class_indices(target, args.ignore_index, vocab.total, args.name)
     options = args.options.as_options()
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     valid = target != args.ignore_index

@@ -92,14 +92,17 @@ def _is_group(annotation: object) -> bool:
     )
 
 
-def _leaves(structure: type, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """``(path, type)`` of each op argument of ``structure``, in order."""
+def _leaves(
+    structure: type, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+    """``(path, type, default)`` of each op argument of ``structure``, in order."""
     hints = typing.get_type_hints(structure)
+    defaults = getattr(structure, "_field_defaults", {})
     for field in _fields(structure):
         if _is_group(hints[field]):
             yield from _leaves(hints[field], (*path, field))
         else:
-            yield (*path, field), hints[field]
+            yield (*path, field), hints[field], defaults.get(field, inspect.Parameter.empty)
 
 
 def _build(structure: type, values: Iterator[Any]) -> Any:
@@ -142,8 +145,8 @@ class OpSchema(Generic[ArgumentsT]):
     def __init__(self, arguments: type[ArgumentsT]) -> None:
         self.arguments = arguments
         leaves = list(_leaves(arguments))
-        self._paths = [path for path, _ in leaves]
-        self._flat = [_is_flat(hint) for _, hint in leaves]
+        self._paths = [path for path, _, _ in leaves]
+        self._flat = [_is_flat(hint) for _, hint, _ in leaves]
         names = ["_".join(path) for path in self._paths]
         if tuple(names[: len(DIFFERENTIABLE)]) != DIFFERENTIABLE:
             raise TypeError(f"{arguments.__name__} must start with {DIFFERENTIABLE}, got {names}")
@@ -152,9 +155,10 @@ class OpSchema(Generic[ArgumentsT]):
                 inspect.Parameter(
                     name,
                     inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    default=default,
                     annotation=Sequence[float] if _is_flat(hint) else hint,
                 )
-                for name, (_, hint) in zip(names, leaves, strict=True)
+                for name, (_, hint, default) in zip(names, leaves, strict=True)
             ]
         )
 
@@ -171,6 +175,11 @@ class OpSchema(Generic[ArgumentsT]):
     def unflatten(self, flat: Sequence[Any]) -> ArgumentsT:
         """The structure of the op's arguments ``flat``."""
         return _build(self.arguments, iter(flat))
+
+    def _bound(self, args: tuple, kwargs: dict) -> tuple:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.args
 
     def gradients(self, grads: Gradients | Sequence[torch.Tensor | None]) -> tuple:
         """Backward's result: the gradients of ``input``, ``linear_weight`` and
@@ -197,12 +206,18 @@ class OpSchema(Generic[ArgumentsT]):
         return self.unflatten(flat), tuple(tensors[len(ctx.tensor_slots) :])
 
     def recompute(
-        self, op: CustomOpDef, ctx: Any, **upstream: torch.Tensor | None
+        self,
+        op: CustomOpDef,
+        ctx: Any,
+        arguments: ArgumentsT | None = None,
+        **upstream: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        """Backward of an op that recomputes: ``op`` again on the arguments :meth:`save`
-        kept, with the upstream gradients ``upstream`` (arguments of the op) and the
-        gradients backward is asked for, whose last three outputs are those gradients."""
-        arguments, _ = self.saved(ctx)
+        """Backward of an op that recomputes: ``op`` again on ``arguments`` (those
+        :meth:`save` kept if ``None``), with the upstream gradients ``upstream`` (arguments
+        of the op) and the gradients backward is asked for; the op's last three outputs
+        are those gradients."""
+        if arguments is None:
+            arguments, _ = self.saved(ctx)
         needs = Needs.asked(ctx, arguments.linear_bias)
         if all(grad is None for grad in upstream.values()) or not any(needs):
             return self.gradients((None, None, None))
@@ -222,10 +237,10 @@ class OpSchema(Generic[ArgumentsT]):
         runs one call per batch element."""
 
         def call(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-            return kernel(self.unflatten(self.signature.bind(*args, **kwargs).args))
+            return kernel(self.unflatten(self._bound(args, kwargs)))
 
         def fake_call(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-            return fake(self.unflatten(self.signature.bind(*args, **kwargs).args))
+            return fake(self.unflatten(self._bound(args, kwargs)))
 
         call.__name__ = call.__qualname__ = name
         call.__module__ = kernel.__module__

@@ -11,8 +11,9 @@ state). Called with upstream gradients but without those statistics (as
 :func:`linear_ce.token_logprobs.token_logprobs_vjp` is), it reruns the chunk loop with
 them instead. An upstream gradient that does not flow (an output nobody differentiated)
 is ``None`` and costs nothing. ``log_sum_sq_prob`` and ``mean_logit`` are statistics
-without a gradient (marked non-differentiable). :func:`token_logprobs_on_shard` runs the
-same bodies on a shard of the vocabulary.
+without a gradient: they stay in the graph so that differentiating one is an error
+(:func:`refuse_statistic_gradients`), not a gradient dropped in silence.
+:func:`token_logprobs_on_shard` runs the same bodies on a shard of the vocabulary.
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ from linear_ce.ops.schema import OpSchema, PlanOptions
 __all__ = [
     "SCHEMA",
     "TokenArguments",
+    "refuse_statistic_gradients",
     "run_token_logprobs",
     "token_gradients",
     "token_logprobs_on_shard",
     "token_rows",
 ]
 
-_NAME = "token_logprobs"
-
 
 class TokenArguments(NamedTuple):
     """The arguments of ``linear_ce::token_rows``: the rows ``(N, F)``, the head
     ``(V, 1, F)`` and bias ``(V, 1)``, the token ids ``(N, 1)``; the upstream gradients of
     ``logprob`` and ``entropy`` and the forward's ``row_stats`` (backward only); the
-    outputs asked for, how it runs, which gradients."""
+    outputs asked for, how it runs, which gradients, and the public function called (its
+    errors name it)."""
 
     input: torch.Tensor
     linear_weight: torch.Tensor
@@ -62,12 +63,13 @@ class TokenArguments(NamedTuple):
     outputs: TokenOutputs
     options: PlanOptions
     needs: Needs
+    name: str = "token_logprobs"
 
 
 def run_token_logprobs(args: TokenArguments, vocab: Vocab) -> tuple[TokenLogprobHead, Gradients]:
     """The chunk loop with the per-token head: its outputs and the gradients of the
     upstream gradients in ``args`` (the input's summed over the vocabulary's shards)."""
-    check_class_indices(args.target, args.ignore_index, vocab.total, _NAME)
+    check_class_indices(args.target, args.ignore_index, vocab.total, args.name)
     options = args.options.as_options()
     head = TokenLogprobHead(
         args.target.long(),
@@ -99,7 +101,7 @@ def token_gradients(args: TokenArguments, vocab: Vocab) -> Gradients:
     if args.row_stats is None:
         return run_token_logprobs(args._replace(outputs=TokenOutputs()), vocab)[1]
     # A direct token_logprobs_vjp call has had no forward to check its targets.
-    check_class_indices(args.target, args.ignore_index, vocab.total, _NAME)
+    check_class_indices(args.target, args.ignore_index, vocab.total, args.name)
     head = TokenLogprobGradient(
         args.target.long(),
         args.target != args.ignore_index,
@@ -189,14 +191,64 @@ SCHEMA = OpSchema(TokenArguments)
 token_rows = SCHEMA.define("token_rows", 9, _kernel, _fake)
 
 
+def _statistic_message(function: str, statistic: str) -> str:
+    return (
+        f"{function}: {statistic} is a statistic without a gradient, and it is part of the "
+        f"graph being differentiated: its gradient would be lost. Differentiate logprob "
+        f"and entropy only; use {statistic}.detach() where it enters a loss"
+    )
+
+
+@torch.library.custom_op("linear_ce::statistic_gradient_check", mutates_args=())
+def _statistic_gradient_check(grad: torch.Tensor, function: str, statistic: str) -> torch.Tensor:
+    """A zero scalar, or an error if ``grad`` (a statistic's upstream gradient) is
+    nonzero anywhere: the check of :func:`refuse_statistic_gradients` in a compiled
+    backward, run when the backward runs (one host synchronisation per backward)."""
+    if bool(grad.ne(0).any()):
+        raise RuntimeError(_statistic_message(function, statistic))
+    return grad.new_zeros(())
+
+
+@_statistic_gradient_check.register_fake
+def _statistic_gradient_check_fake(grad, function, statistic):
+    return grad.new_empty(())
+
+
+def refuse_statistic_gradients(
+    function: str, grads: dict[str, torch.Tensor | None], keep: torch.Tensor
+) -> torch.Tensor:
+    """Raises if a statistic (``log_sum_sq_prob``, ``mean_logit``) got an upstream
+    gradient in ``grads``; returns ``keep``, a tensor the backward goes on to use.
+
+    Eagerly a statistic's gradient is ``None`` unless it is in the differentiated graph.
+    A compiled backward gets one for every output of the compiled graph (zeros where
+    nobody differentiated it), so there the check is an op that runs with the backward
+    and raises on a nonzero gradient; its zero is added to ``keep`` so the compiler
+    keeps it."""
+    for statistic, grad in grads.items():
+        if grad is None:
+            continue
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(_statistic_message(function, statistic))
+        keep = keep + _statistic_gradient_check(grad, function, statistic)
+    return keep
+
+
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[1], output[4], output[5])
+    ctx.mark_non_differentiable(output[1])
     SCHEMA.save(ctx, SCHEMA.unflatten(inputs)._replace(row_stats=output[1]))
 
 
-def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, *_unused):
-    return SCHEMA.recompute(token_rows, ctx, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
+def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, _grad_top1, grad_sq, grad_mean, *_):
+    args, _ = SCHEMA.saved(ctx)
+    statistics = {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean}
+    args = args._replace(
+        row_stats=refuse_statistic_gradients(args.name, statistics, args.row_stats)
+    )
+    return SCHEMA.recompute(
+        token_rows, ctx, args, grad_logprob=grad_logprob, grad_entropy=grad_entropy
+    )
 
 
 token_rows.register_autograd(_backward, setup_context=_setup_context)
@@ -215,10 +267,15 @@ class _OnShard:
     def forward(self, input, weight, bias) -> Forward:
         head, _ = run_token_logprobs(self._on(input, weight, bias), self.vocab)
         outputs = (head.logprob, *_outputs(head, self.args.outputs, input))
-        return Forward(outputs, saved=(head.row_stats,), statistics=(2, 3, 4))
+        # log_sum_sq_prob and mean_logit stay in the graph: differentiating them is
+        # refused in backward.
+        return Forward(outputs, saved=(head.row_stats,), statistics=(2,))
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
-        grad_logprob, grad_entropy = grad_outputs[:2]
+        grad_logprob, grad_entropy, _grad_top1, grad_sq, grad_mean = grad_outputs
+        row_stats = refuse_statistic_gradients(
+            self.args.name, {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean}, saved[0]
+        )
         if grad_logprob is None and grad_entropy is None:
             return Gradients(None, None, None)
         args = self._on(
@@ -227,7 +284,7 @@ class _OnShard:
             bias,
             grad_logprob=grad_logprob,
             grad_entropy=grad_entropy,
-            row_stats=saved[0],
+            row_stats=row_stats,
             needs=needs,
         )
         return token_gradients(args, self.vocab)

@@ -39,6 +39,7 @@ class _Objective:
     side: dict[str, torch.Tensor]
     options: LinearCrossEntropyOptions
     needs: Needs
+    grad_mode: bool
     vocab: Vocab
 
     @property
@@ -58,6 +59,8 @@ class _Objective:
             entropy=self.entropy,
             side=self.side,
             name=self.name,
+            grad_mode=self.grad_mode,
+            differentiate=any(self.needs),
         )
         grads = run_head(input, weight, bias, head, call.transform, self.options, vocab, self.needs)
         return Forward((head.total.to(acc),), grads)
@@ -79,6 +82,7 @@ def objective_loss(
     acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
     flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in side.items()}
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
-    run = _Objective(name, call, objective, entropy, flat_side, options, needs, vocab)
+    grad_mode = torch.is_grad_enabled()
+    run = _Objective(name, call, objective, entropy, flat_side, options, needs, grad_mode, vocab)
     (loss,) = OnVocab.apply(call.input, call.linear_weight, call.linear_bias, run)
     return loss

@@ -1,0 +1,679 @@
+"""This machine's GEMM rates, measured once: the plan's machine-dependent choices.
+
+How many rows a chunk needs before a CPU's GEMMs reach their rate, which layout of the
+``(chunk, V)`` logits tile its BLAS prefers, and whether its half-precision GEMMs beat
+fp32 ones differ from one CPU to the next: a 2-core Zen 4 runs the three GEMMs of a
+256-row chunk within 10% of their 2048-row rate, a 2-core Sapphire Rapids loses ~25% on
+the weight-gradient GEMM there (116 against 160 GFLOP/s), and its fp16 GEMMs (AVX512-FP16,
+no AMX-FP16) run at about its fp32 rate while its bf16 ones (AMX) run several times faster.
+So :func:`linear_ce.engine.plan.make_plan` asks this module, which answers from a short
+measurement of this machine's GEMMs at the call's shape class (its feature count and
+dtype), taken once per process and cached on disk per machine and torch version.
+
+What is measured (:func:`chunk_rates`): the three GEMMs of a chunk of ``B`` rows against
+a block of ``MEASURE_CLASSES`` classes of a random weight (logits, input gradient, the
+weight gradient added into an accumulator, as the chunk loop issues them), for each
+candidate ``B`` of ``CANDIDATE_ROWS`` the memory budget allows and for both tile layouts,
+``MEASURE_ROUNDS`` interleaved rounds, the fastest of each (a busy machine only slows a
+GEMM down; interleaving gives every candidate the same slow spells). And the logits GEMM
+in a half dtype against fp32 (:func:`half_speedup`). The choices:
+
+- **rows per chunk** (:meth:`Tuning.rows`): the smallest candidate whose three GEMMs run
+  within ``TOLERANCE`` of the best rate measured among the candidates the budget allows
+  (the budget's own rows where that is the largest candidate under them): no memory is
+  spent on longer chunks that run no faster. fp32/fp64 inputs; half inputs keep the
+  budget's longest chunks, since their weight-gradient sum pays a pass per chunk.
+- **tile layout** (:meth:`Tuning.class_major`): class-major (a ``(V, B)`` array used as its
+  transpose, so the logits GEMM is ``W·xᵀ``) or row-major, whichever ran the three GEMMs
+  faster at the chosen rows.
+- **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
+  vocabulary pass before its rows are split into groups. A block of ``C`` classes against
+  ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
+  classes (the roles of rows and classes swap), so it is the smallest candidate within
+  ``TOLERANCE`` of the best rate of all of them.
+- **half path** (:func:`half_gemm_pays`): a CPU whose flags promise native fp16/bf16 GEMMs
+  (:func:`linear_ce.engine.capability.native_half_gemm`) takes them only if the measured half
+  GEMM runs at least ``HALF_MIN_SPEEDUP`` times its fp32 rate; else the fp32 path.
+
+A call uses measured choices only where measuring costs at most ``1/MEASURE_RATIO`` of
+its own GEMMs (:func:`worth_measuring`), on a CPU, outside ``torch.compile`` tracing and
+fake tensors, and without ``torch.distributed`` initialised (the ranks of a
+vocabulary-parallel call must plan the same chunks, and each would measure its own
+rates). Everywhere else the plan takes the **fallback**, the fixed rule: the budget's
+longest chunks, a class-major tile, the half path the CPU's flags promise, and
+``MIN_CLASS_BLOCK`` classes. Every choice changes how the work is split, never what is
+computed: results agree to rounding.
+
+Environment (read on every call; a bad value is a ``ValueError`` naming the variable):
+
+- ``LINEAR_CE_MEASURE``: ``0`` never measures (every call takes the fallback); ``1`` or
+  unset measures and caches the rates in ``LINEAR_CE_CACHE_DIR`` (default
+  ``$XDG_CACHE_HOME/linear_ce``, else ``~/.cache/linear_ce``), one JSON file per machine
+  (CPU model, flags) and torch version, written atomically, with a checksum: a file that
+  fails its checks is measured again and replaced; ``process`` measures but keeps the
+  rates in this process only.
+- ``LINEAR_CE_MEMORY_BUDGET``: the share of the gradients' bytes the chunk loop's scratch
+  may take for fp32 inputs (default ``0.25``, ``linear_ce.engine.plan.BUDGET_SHARE``: a training
+  step's transient peak ≈ 1.25× the gradients); every other budget of the plan (half
+  inputs, the vocabulary pass, distillation's teacher) scales with it.
+- ``LINEAR_CE_CHUNK_ROWS``: a number of rows forces the rows-per-chunk choice (at most
+  the budget's rows, as a measured choice would be); ``auto`` or unset: measured.
+- ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout;
+  ``auto`` or unset: measured.
+- ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
+  classes per block; ``auto`` or unset: measured.
+- ``LINEAR_CE_NATIVE_HALF_GEMM`` (:mod:`linear_ce.engine.capability`): ``0`` forces the fp32
+  path, ``1`` the native path wherever the flags allow it; ``auto`` or unset: measured.
+
+Example::
+
+    >>> tuning = tuning_for(torch.device("cpu"), torch.float32, 1024, 6 * 2048 * 1024 * 32768)
+    >>> tuning.rows(256) in (128, 192, 256)  # measured once per machine, then cached
+    True
+    >>> tuning_for(torch.device("cpu"), torch.float32, 64, 6 * 64 * 64 * 100).rows(48)
+    48
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from linear_ce.engine.capability import cpu_flags, native_half_mode
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "CANDIDATE_ROWS",
+    "CHUNK_ROWS_ENV",
+    "CLASS_BLOCK_ENV",
+    "HALF_MIN_SPEEDUP",
+    "MEASURE_CLASSES",
+    "MEASURE_ENV",
+    "MEASURE_RATIO",
+    "MEASURE_ROUNDS",
+    "MEMORY_BUDGET_ENV",
+    "NOISE_LIMIT",
+    "TILE_LAYOUT_ENV",
+    "TOLERANCE",
+    "Tuning",
+    "chunk_rates",
+    "half_gemm_pays",
+    "half_speedup",
+    "machine_info",
+    "measured_rates",
+    "memory_budget",
+    "tuning_for",
+    "worth_measuring",
+]
+
+MEASURE_ENV = "LINEAR_CE_MEASURE"
+CACHE_DIR_ENV = "LINEAR_CE_CACHE_DIR"
+MEMORY_BUDGET_ENV = "LINEAR_CE_MEMORY_BUDGET"
+CHUNK_ROWS_ENV = "LINEAR_CE_CHUNK_ROWS"
+TILE_LAYOUT_ENV = "LINEAR_CE_TILE_LAYOUT"
+CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
+
+#: Chunk sizes measured. Above 1024 rows the weight-gradient GEMM's inner dimension is
+#: as long as a typical feature count and its rate flat, so larger chunks are taken as
+#: fast as 1024 rows (never measured, never preferred for speed alone).
+CANDIDATE_ROWS = (128, 192, 256, 384, 512, 768, 1024)
+#: Classes of the weight block the measurement multiplies: large enough that each GEMM
+#: runs for milliseconds (timer and thread start-up negligible), small enough that the
+#: measurement of the default budget's candidates costs ~1/20 of a step at N=2048,
+#: F=1024, V=32768.
+MEASURE_CLASSES = 1024
+#: Rows of the half-against-fp32 comparison.
+HALF_MEASURE_ROWS = 512
+#: Timed rounds per candidate, interleaved; the fastest round of each counts.
+MEASURE_ROUNDS = 3
+#: A candidate within this share of the best measured rate is as good as the best (the
+#: spread of repeated measurements on a quiet 2-core machine is ~2%).
+TOLERANCE = 0.04
+#: A measurement whose two fastest rounds differ by more than this share is unsteady (the
+#: machine was busy): its choices fall back to the fixed rule in this process, and it is
+#: not written to the disk cache, so a later process measures again.
+NOISE_LIMIT = 0.05
+#: Measured choices are used by calls whose GEMMs take at least this many times the
+#: measurement's flops, so measuring (once per process, and none once cached) costs at most
+#: this fraction of one call.
+MEASURE_RATIO = 8
+#: Native half GEMMs are taken where they run at least this multiple of the fp32 rate:
+#: no slower, since they also save the fp32 copies of the weight's blocks.
+HALF_MIN_SPEEDUP = 1.0
+#: Bumped when what is measured changes; older cache files are then measured again.
+CACHE_VERSION = 1
+
+_HALF = (torch.float16, torch.bfloat16)
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+#: The CPU flags the choices depend on, shown by :func:`machine_info`.
+_SHOWN_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+)
+
+
+def _env_choice(name: str, allowed: dict[str, str]) -> str:
+    """The value of ``name`` (``"auto"`` when unset), one of ``allowed`` (value → meaning)."""
+    value = os.environ.get(name, "auto").strip() or "auto"
+    if value not in allowed:
+        meanings = ", ".join(f"{k} ({v})" for k, v in allowed.items())
+        raise ValueError(f"{name} must be one of {meanings}; got {value!r}")
+    return value
+
+
+def _measure_mode() -> str:
+    return _env_choice(
+        MEASURE_ENV,
+        {
+            "0": "never measure: the fixed fallback rule",
+            "1": "measure, cache per machine on disk",
+            "auto": "the same as 1, the default",
+            "process": "measure, cache in this process only",
+        },
+    )
+
+
+def memory_budget() -> float | None:
+    """``LINEAR_CE_MEMORY_BUDGET``: the fp32 chunk loop's scratch as a share of the
+    gradients' bytes, or ``None`` where unset (``linear_ce.engine.plan.BUDGET_SHARE``)."""
+    text = os.environ.get(MEMORY_BUDGET_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{MEMORY_BUDGET_ENV} must be a positive number, the share of the gradients' bytes "
+            f"the chunk scratch may take (default 0.25); got {text!r}"
+        )
+    return value
+
+
+def _forced_rows() -> int | None:
+    text = os.environ.get(CHUNK_ROWS_ENV, "auto").strip() or "auto"
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(
+            f"{CHUNK_ROWS_ENV} must be a positive number of rows per chunk (forcing the "
+            f"plan's choice) or auto (measured, the default); got {text!r}"
+        )
+    return int(text)
+
+
+def _forced_class_block() -> int | None:
+    text = os.environ.get(CLASS_BLOCK_ENV, "auto").strip() or "auto"
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(
+            f"{CLASS_BLOCK_ENV} must be a positive number of classes (forcing the vocabulary "
+            f"pass's fewest classes per block) or auto (measured, the default); got {text!r}"
+        )
+    return int(text)
+
+
+def _forced_layout() -> bool | None:
+    value = _env_choice(
+        TILE_LAYOUT_ENV,
+        {
+            "class-major": "a (V, B) array used as its transpose",
+            "row-major": "a (B, V) array",
+            "auto": "measured, the default",
+        },
+    )
+    return None if value == "auto" else value == "class-major"
+
+
+def _can_measure(device: torch.device) -> bool:
+    """Whether a measurement may run now: a CPU, real tensors, one process planning alone."""
+    if device.type != "cpu" or _measure_mode() == "0":
+        return False
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def worth_measuring(flops: float, features: int, cap: int) -> bool:
+    """Whether a call of ``flops`` GEMM flops (``6·N·F·V`` for a training step) at ``features``
+    pays for measuring the candidates up to ``cap`` rows in both layouts (the warm-up round
+    included): at most ``1/MEASURE_RATIO`` of it."""
+    rows = [b for b in CANDIDATE_ROWS if b <= cap] or [CANDIDATE_ROWS[0]]
+    cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * MEASURE_CLASSES for b in rows)
+    return flops >= MEASURE_RATIO * cost
+
+
+def _worth_half_measurement(flops: float, features: int) -> bool:
+    """As :func:`worth_measuring`, for :func:`half_speedup` (one GEMM in two dtypes)."""
+    cost = (MEASURE_ROUNDS + 1) * 2 * 2 * HALF_MEASURE_ROWS * features * MEASURE_CLASSES
+    return flops >= MEASURE_RATIO * cost
+
+
+# ---------------------------------------------------------------------------------------
+# The store: this process's measurements, backed by one JSON file per machine.
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """The machine as the choices see it: CPU model, the flags they depend on, torch
+    version and threads (the cache is per model, every flag and torch version; its
+    entries per thread count)."""
+    flags = cpu_flags()
+    return {
+        "cpu": _cpu_model(),
+        "flags": [f for f in _SHOWN_FLAGS if f in flags],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _machine_key() -> dict:
+    return {"cpu": _cpu_model(), "flags": sorted(cpu_flags()), "torch": torch.__version__}
+
+
+def _fingerprint() -> str:
+    text = json.dumps([CACHE_VERSION, _machine_key()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _checksum(machine: dict, rates: dict) -> str:
+    text = json.dumps([CACHE_VERSION, machine, rates], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Store:
+    """Measured rates (GFLOP/s) by key: this process's, and the disk cache's once read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.rates: dict[str, list[float]] = {}
+        self.loaded_from: Path | None = None
+        self.warned = False
+
+    def clear(self) -> None:
+        """Forget this process's rates (the disk cache is read again on the next use)."""
+        with self.lock:
+            self.rates.clear()
+            self.loaded_from = None
+            self.warned = False
+
+    def _path(self) -> Path | None:
+        if _measure_mode() == "process":
+            return None
+        root = os.environ.get(CACHE_DIR_ENV, "").strip()
+        if not root:
+            xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+            root = os.path.join(xdg or os.path.join(os.path.expanduser("~"), ".cache"), "linear_ce")
+        return Path(root) / f"machine-{_fingerprint()}.json"
+
+    def _warn(self, text: str) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"linear_ce: {text}", RuntimeWarning, stacklevel=4)
+
+    def _load(self, path: Path) -> None:
+        if self.loaded_from == path:
+            return
+        self.loaded_from = path
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            problem = _check(data, _machine_key())
+        except (OSError, ValueError) as error:
+            problem = str(error)
+        if problem is not None:
+            self._warn(f"ignoring the machine profile {path} ({problem}); measuring again")
+            return
+        for key, value in data["rates"].items():
+            self.rates.setdefault(key, value)
+
+    def get(self, keys: list[str]) -> dict[str, list[float]]:
+        with self.lock:
+            path = self._path()
+            if path is not None:
+                self._load(path)
+            return {k: self.rates[k] for k in keys if k in self.rates}
+
+    def put(self, new: dict[str, list[float]]) -> None:
+        with self.lock:
+            self.rates.update(new)
+            path = self._path()
+            if path is None:
+                return
+            steady = {k: v for k, v in new.items() if _steady(v)}
+            if not steady:
+                return
+            # Another process may have added entries since: keep theirs too.
+            merged = {k: v for k, v in self.rates.items() if _steady(v)}
+            try:
+                if path.exists():
+                    data = json.loads(path.read_text())
+                    if _check(data, _machine_key()) is None:
+                        merged = {**data["rates"], **merged}
+                _write_atomically(path, merged)
+            except (OSError, ValueError) as error:
+                self._warn(
+                    f"cannot write the machine profile {path} ({error}); measured per process"
+                )
+
+
+def _steady(rates: list[float]) -> bool:
+    """Whether a measurement's rounds agreed (its last value, the spread, within
+    ``NOISE_LIMIT``): only such a measurement decides a choice or is written to disk."""
+    return rates[-1] <= 1 + NOISE_LIMIT
+
+
+def _check(data: object, machine: dict) -> str | None:
+    """Why ``data`` is not a usable cache file for ``machine``, or ``None``."""
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return "another version"
+    if data.get("machine") != machine:
+        return "another machine or torch"
+    rates = data.get("rates")
+    if not isinstance(rates, dict) or data.get("checksum") != _checksum(machine, rates):
+        return "checksum mismatch"
+    for key, value in rates.items():
+        if not (
+            isinstance(key, str)
+            and isinstance(value, list)
+            and value
+            and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in value)
+        ):
+            return f"bad entry {key!r}"
+    return None
+
+
+def _write_atomically(path: Path, rates: dict[str, list[float]]) -> None:
+    machine = _machine_key()
+    data = {
+        "version": CACHE_VERSION,
+        "machine": machine,
+        "rates": rates,
+        "checksum": _checksum(machine, rates),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=0, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+_STORE = _Store()
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring.
+
+
+def _key(kind: str, dtype: torch.dtype, features: int, *rest: object) -> str:
+    parts = [kind, _DTYPE_NAMES[dtype], f"F{features}", f"t{torch.get_num_threads()}"]
+    return "/".join(parts + [str(r) for r in rest])
+
+
+def _layout_name(class_major: bool) -> str:
+    return "class" if class_major else "row"
+
+
+class _Clock:
+    """Times of labelled operations over repeated rounds."""
+
+    def __init__(self) -> None:
+        self.times: dict[tuple, list[float]] = {}
+
+    def time(self, label: tuple, fn) -> None:
+        start = time.perf_counter()
+        fn()
+        self.times.setdefault(label, []).append(time.perf_counter() - start)
+
+    def best(self, label: tuple) -> float:
+        return min(self.times[label])
+
+    def spread(self, label: tuple) -> float:
+        """The second-fastest time over the fastest: near 1 where the rounds agree."""
+        first, second = sorted(self.times[label])[:2]
+        return second / first
+
+
+def chunk_rates(
+    dtype: torch.dtype, features: int, rows: list[int], layouts: tuple[bool, ...] = (True, False)
+) -> dict[tuple[int, bool], list[float]]:
+    """Measure the three GEMMs of a chunk of each of ``rows`` rows in each layout
+    (``True``: class-major) against ``MEASURE_CLASSES`` classes, ``MEASURE_ROUNDS``
+    interleaved rounds after a warm-up round: ``(rows, class_major) -> [logits, input
+    gradient, weight gradient, all three]`` in GFLOP/s (each the fastest round), then the
+    spread of the rounds of all three (:meth:`_Clock.spread`)."""
+    gen = torch.Generator().manual_seed(0)
+    classes, most = MEASURE_CLASSES, max(rows)
+    weight = torch.randn(classes, features, generator=gen).to(dtype)
+    x = torch.randn(most, features, generator=gen).to(dtype)
+    grad_w = torch.zeros(classes, features, dtype=dtype)
+    grad_x = torch.zeros(most, features, dtype=dtype)
+    store = {layout: torch.empty(classes * most, dtype=dtype) for layout in layouts}
+    cases = [(b, layout) for b in rows for layout in layouts]
+
+    def tile(b: int, class_major: bool) -> torch.Tensor:
+        flat = store[class_major][: b * classes]
+        return flat.view(classes, b).T if class_major else flat.view(b, classes)
+
+    def chunk(b: int, layout: bool) -> None:
+        t, xb = tile(b, layout), x[:b]
+        clock.time((b, layout, 0), lambda: torch.mm(xb, weight.T, out=t))
+        clock.time((b, layout, 1), lambda: grad_x[:b].addmm_(t, weight))
+        clock.time((b, layout, 2), lambda: grad_w.addmm_(t.T, xb))
+
+    clock = _Clock()
+    for b, layout in cases:
+        # A warm-up round: page faults, the BLAS's kernels and packing buffers.
+        chunk(b, layout)
+    clock = _Clock()
+    for r in range(MEASURE_ROUNDS):
+        shift = r % len(cases)
+        for b, layout in cases[shift:] + cases[:shift]:
+            chunk(b, layout)
+    result = {}
+    for b, layout in cases:
+        gflop = 2 * b * features * classes / 1e9
+        seconds = [clock.best((b, layout, g)) for g in range(3)]
+        rounds = [
+            sum(t) for t in zip(*(clock.times[(b, layout, g)] for g in range(3)), strict=True)
+        ]
+        first, second = sorted(rounds)[:2]
+        result[(b, layout)] = [gflop / s for s in seconds] + [3 * gflop / sum(seconds)]
+        result[(b, layout)].append(second / first)
+    return result
+
+
+def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
+    """``[speedup, spread]``: the logits GEMM's rate in ``dtype`` over its fp32 rate,
+    ``HALF_MEASURE_ROWS`` rows against ``MEASURE_CLASSES`` classes, the fastest of
+    ``MEASURE_ROUNDS`` interleaved rounds after a warm-up; and the larger spread of the
+    two dtypes' rounds (:meth:`_Clock.spread`)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(MEASURE_CLASSES, features, generator=gen)
+    x = torch.randn(HALF_MEASURE_ROWS, features, generator=gen)
+    operands = {d: (weight.to(d), x.to(d)) for d in (dtype, torch.float32)}
+    for w, xd in operands.values():
+        torch.mm(w, xd.T)
+    clock = _Clock()
+    for r in range(MEASURE_ROUNDS):
+        for d in (dtype, torch.float32) if r % 2 else (torch.float32, dtype):
+            w, xd = operands[d]
+            clock.time((d,), lambda w=w, xd=xd: torch.mm(w, xd.T))
+    speedup = clock.best((torch.float32,)) / clock.best((dtype,))
+    return [speedup, max(clock.spread((d,)) for d in operands)]
+
+
+def _quietly(fn, *args):
+    """``fn(*args)`` with no autocast or autograd around it (their dtypes and graphs are
+    the caller's, not the measurement's)."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        return fn(*args)
+
+
+def measured_rates(dtype: torch.dtype, features: int, rows: list[int]) -> dict:
+    """``(rows, class_major) -> [logits, grad input, grad weight, all three]`` GFLOP/s for
+    each of ``rows``, both layouts: from the store, measuring what it lacks."""
+    keys = {
+        (b, layout): _key("chunk", dtype, features, _layout_name(layout), f"B{b}")
+        for b in rows
+        for layout in (True, False)
+    }
+    with _STORE.lock:
+        known = _STORE.get(list(keys.values()))
+        missing = sorted({b for (b, _), k in keys.items() if k not in known})
+        if missing:
+            fresh = _quietly(chunk_rates, dtype, features, missing)
+            _STORE.put({keys[case]: rates for case, rates in fresh.items()})
+            known = _STORE.get(list(keys.values()))
+    return {case: known[k] for case, k in keys.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# The choices.
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How one call's plan applies this machine's measurements, or the fallback rule.
+
+    ``allowed``: a measurement may run for the call (a CPU, real tensors, one process
+    planning alone, ``LINEAR_CE_MEASURE`` not ``0``); ``dtype`` and ``features``: its GEMMs'
+    operand dtype and inner dimension; ``flops``: what its GEMMs cost (``6·N·F·V`` for a
+    training step), which decides what is worth measuring (:func:`worth_measuring`).
+    """
+
+    allowed: bool
+    dtype: torch.dtype
+    features: int
+    flops: float
+
+    def measures(self, cap: int) -> bool:
+        """Whether choices among chunks of up to ``cap`` rows are measured for this call."""
+        return self.allowed and worth_measuring(self.flops, self.features, cap)
+
+    def rows(self, cap: int) -> int:
+        """Rows per chunk for a budget of ``cap`` rows: ``LINEAR_CE_CHUNK_ROWS`` (at most
+        ``cap``), else the smallest candidate within ``TOLERANCE`` of the best rate under
+        ``cap`` (``cap`` itself where that is the largest candidate under it), else ``cap``."""
+        forced = _forced_rows()
+        if forced is not None:
+            return min(forced, cap)
+        candidates = [b for b in CANDIDATE_ROWS if b <= cap]
+        if len(candidates) < 2 or not self.measures(cap):
+            return cap
+        best = self._best_by_rows(candidates)
+        if best is None:
+            return cap
+        top = max(best.values())
+        chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
+        return cap if chosen == candidates[-1] else chosen
+
+    def class_major(self, rows: int) -> bool:
+        """The logits tile's layout for chunks of ``rows`` rows: ``LINEAR_CE_TILE_LAYOUT``,
+        else the layout whose three GEMMs ran faster at the candidate nearest below
+        ``rows``, else class-major."""
+        forced = _forced_layout()
+        if forced is not None:
+            return forced
+        b = max([c for c in CANDIDATE_ROWS if c <= rows] or [CANDIDATE_ROWS[0]])
+        if not self.measures(b):
+            return True
+        rates = measured_rates(self.dtype, self.features, [b])
+        if not all(_steady(r) for r in rates.values()):
+            return True
+        return rates[(b, True)][3] >= rates[(b, False)][3]
+
+    def min_class_block(self, fallback: int) -> int:
+        """The vocabulary pass's fewest classes per block: the smallest candidate whose
+        GEMMs run within ``TOLERANCE`` of the best candidate's rate (a block of ``C``
+        classes issues a ``C``-row chunk's GEMM shapes), else ``fallback``;
+        ``LINEAR_CE_CLASS_BLOCK`` forces it."""
+        forced = _forced_class_block()
+        if forced is not None:
+            return forced
+        if not self.measures(CANDIDATE_ROWS[-1]):
+            return fallback
+        best = self._best_by_rows(list(CANDIDATE_ROWS))
+        if best is None:
+            return fallback
+        top = max(best.values())
+        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
+
+    def _best_by_rows(self, rows: list[int]) -> dict[int, float] | None:
+        """Each of ``rows``' rate in its faster layout; ``None`` if a measurement was unsteady."""
+        rates = measured_rates(self.dtype, self.features, rows)
+        if not all(_steady(r) for r in rates.values()):
+            return None
+        return {b: max(rates[(b, True)][3], rates[(b, False)][3]) for b in rows}
+
+
+def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: float) -> Tuning:
+    """The :class:`Tuning` of a call on ``device`` whose GEMMs (operands ``dtype``, inner
+    dimension ``features``) take ``flops``."""
+    # Every override is read here, so a bad value is an error on any call, not only on
+    # the calls whose plan consults it.
+    _forced_rows(), _forced_layout(), _forced_class_block()
+    allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
+    return Tuning(allowed, dtype, features, float(flops))
+
+
+def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flops: float) -> bool:
+    """For a CPU whose flags promise native ``dtype`` GEMMs: whether to take them.
+    ``LINEAR_CE_NATIVE_HALF_GEMM=1`` says yes; else, where the call is worth measuring
+    for, whether the half logits GEMM runs at least ``HALF_MIN_SPEEDUP`` times its fp32
+    rate (measured once per process and machine); else (the fallback) yes."""
+    if native_half_mode() == "1":
+        return True
+    if not (dtype in _HALF and _can_measure(device) and _worth_half_measurement(flops, features)):
+        return True
+    key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
+    with _STORE.lock:
+        known = _STORE.get([key])
+        if key not in known:
+            _STORE.put({key: _quietly(half_speedup, dtype, features)})
+            known = _STORE.get([key])
+    return not _steady(known[key]) or known[key][0] >= HALF_MIN_SPEEDUP

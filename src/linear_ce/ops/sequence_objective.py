@@ -1,0 +1,222 @@
+r"""The autograd of :func:`linear_ce.sequence_objective`: one pass, gradients in forward.
+
+Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens; the
+plan is made without a half tile, whose steps would hand the head part of a chunk), the
+chunk loop runs once over chunks of whole groups
+(:meth:`~linear_ce.engine.sequence_layout.SequenceLayout.chunks`) with
+:class:`~linear_ce.losses.sequence_objective.SequenceHead`: per chunk the logits GEMM, the
+objective and its gradient, the two gradient GEMMs — three GEMMs per training step.
+
+Where one group has more scored tokens than a chunk may hold, the call takes the
+four-GEMM path: the loop computes every token's log-probability and row statistics (one
+GEMM, no gradient), the objective is evaluated on all groups at once, and the vocabulary
+pass (:mod:`linear_ce.engine.vocab_pass`) forms the gradients from the row statistics (three
+GEMMs). Nothing of size ``N·V`` exists on either path.
+
+Forward returns the loss and the per-sequence log-probability sums (a statistic without
+gradient); backward scales the stored gradients by the loss's upstream gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from linear_ce.checks.call import Call
+from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
+from linear_ce.engine.plan import (
+    DIRECT_SUM_MAX_CHUNKS,
+    Plan,
+    acc_dtype_for,
+    make_plan,
+    split_sum_supported,
+)
+from linear_ce.engine.sequence_layout import SequenceLayout
+from linear_ce.engine.vocab import Vocab
+from linear_ce.engine.vocab_pass import vocab_pass_gradients
+from linear_ce.losses.sequence_objective import Metrics, SequenceEvaluation, SequenceHead
+from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
+from linear_ce.ops.autograd import hand_over_gradients
+from linear_ce.options import LinearCrossEntropyOptions
+
+__all__ = ["SequenceSpec", "sequence_objective_op"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    """A checked call: the rows (``call``), the layout, each sequence's scored tokens
+    (``lengths``) and the side inputs in the sequence dtype (``side`` ``(S,)``,
+    ``token_side`` ``(N,)``), which gradients are wanted (``needs``:
+    input, weight, bias) and the vocabulary this process sees (``vocab``)."""
+
+    name: str
+    call: Call
+    objective: Callable[..., torch.Tensor]
+    entropy: bool
+    layout: SequenceLayout
+    lengths: torch.Tensor
+    side: dict[str, torch.Tensor]
+    token_side: dict[str, torch.Tensor]
+    reduction: str
+    options: LinearCrossEntropyOptions
+    needs: Needs
+    vocab: Vocab
+
+
+def _no_direct_sum_overflow(plan: Plan, chunks: int) -> Plan:
+    """The plan with the half weight gradient summed in fp32 where ``"balanced"`` chose to
+    hold it in the result (``"direct"``) for at most ``DIRECT_SUM_MAX_CHUNKS`` chunks but
+    packing whole groups made more: one rounding per chunk would outgrow the bound."""
+    if (
+        plan.policy != "balanced"
+        or plan.weight_grad != "direct"
+        or plan.input_dtype == plan.acc_dtype
+        or chunks <= DIRECT_SUM_MAX_CHUNKS
+    ):
+        return plan
+    split = split_sum_supported(plan.input_dtype, plan.acc_dtype)
+    return dataclasses.replace(
+        plan, weight_grad="split" if split else "wide", weight_grad_dtype=plan.acc_dtype
+    )
+
+
+def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
+    """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
+    call, layout = spec.call, spec.layout
+    rows, in_features = input.shape
+    plan = make_plan(
+        rows,
+        in_features,
+        spec.vocab.plan_classes,
+        input.dtype,
+        input.device,
+        spec.options,
+        tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
+        half_tile=False,
+    )
+    chunks = layout.chunks(plan.rows_per_chunk, input.device)
+    if chunks is None:
+        return None
+    plan = _no_direct_sum_overflow(plan, len(chunks))
+    head = SequenceHead(
+        call.target.long(),
+        layout.valid,
+        spec.vocab.start,
+        weight.shape[0],
+        acc,
+        entropy=spec.entropy,
+        evaluation=evaluation,
+        chunks=chunks,
+        num_classes=spec.vocab.total,
+    )
+    return run_chunks(
+        input,
+        weight,
+        bias,
+        head,
+        call.transform,
+        plan,
+        grad_input=spec.needs.input,
+        grad_weight=spec.needs.weight,
+        grad_bias=spec.needs.bias,
+        vocab=spec.vocab,
+        chunks=[[c.rows for c in chunks]],
+    )
+
+
+def _four_gemm(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients:
+    """Statistics pass, the objective on every group at once, then the vocabulary pass."""
+    call, layout = spec.call, spec.layout
+    target = call.target.long()
+    head = TokenLogprobHead(
+        target,
+        layout.valid,
+        spec.vocab.start,
+        weight.shape[0],
+        acc,
+        outputs=TokenOutputs(entropy=spec.entropy),
+        num_classes=spec.vocab.total,
+    )
+    no_gradient = Needs(False, False, False)
+    run_head(input, weight, bias, head, call.transform, spec.options, spec.vocab, no_gradient)
+    chunk = layout.one_chunk(input.device)
+    token_rows = chunk.rows
+    entropy = head.entropy[token_rows, 0] if spec.entropy else None
+    g, h = evaluation(chunk, token_rows, head.logprob[token_rows, 0], entropy)
+    if not any(spec.needs):
+        return Gradients(None, None, None)
+    if g is None and h is None:
+        # The objective does not depend on the log-probabilities: zero gradients, no pass.
+        return Gradients(
+            torch.zeros_like(input) if spec.needs.input else None,
+            torch.zeros_like(weight) if spec.needs.weight else None,
+            torch.zeros_like(bias) if spec.needs.bias else None,
+        )
+
+    def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        out = torch.zeros(layout.valid.shape, dtype=acc, device=input.device)
+        out[token_rows, 0] = values
+        return out
+
+    gradient = TokenLogprobGradient(
+        target, layout.valid, spec.vocab.start, head.row_stats, per_row(g), per_row(h)
+    )
+    return vocab_pass_gradients(
+        input, weight, bias, gradient, call.transform, spec.options, spec.needs
+    )
+
+
+class _SequenceObjective(torch.autograd.Function):
+    """Forward runs the pass and computes the gradients; backward scales them.
+
+    With a vocab-parallel ``spec.vocab`` the weight is this rank's shard: the loop combines
+    the row statistics over the group, so every rank evaluates the objective on the same
+    log-probabilities, and the input gradient is summed over the group."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: SequenceSpec, evaluation: SequenceEvaluation):
+        acc = acc_dtype_for(input.dtype, spec.options.acc_dtype)
+        grads = _fused(input, weight, bias, spec, evaluation, acc)
+        if grads is None:
+            grads = _four_gemm(input, weight, bias, spec, evaluation, acc)
+        if grads.input is not None:
+            spec.vocab.sum_(grads.input)
+        ctx.scale = 1.0 / evaluation.count if spec.reduction == "mean" else 1.0
+        ctx.grads = [grads.input, grads.weight, grads.bias]
+        ctx.needs = spec.needs
+        ctx.allow_retain_graph = spec.options.allow_retain_graph
+        logprob_sum = evaluation.logprob_sum.to(acc)
+        ctx.mark_non_differentiable(logprob_sum)
+        return (evaluation.total * ctx.scale).to(acc), logprob_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_logprob_sum):
+        scaled = hand_over_gradients(ctx, ctx.needs, grad_loss * ctx.scale, ctx.allow_retain_graph)
+        return (*scaled, None, None)
+
+
+def sequence_objective_op(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: SequenceSpec,
+) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+    """``(loss, logprob_sum, metrics)`` of a checked call (see the module doc)."""
+    evaluation = SequenceEvaluation(
+        spec.objective,
+        name=spec.name,
+        lengths=spec.lengths,
+        side=spec.side,
+        token_side=spec.token_side,
+        totals=spec.layout.totals,
+        group_size=spec.layout.group_size,
+        want_grads=any(spec.needs),
+    )
+    loss, logprob_sum = _SequenceObjective.apply(input, weight, bias, spec, evaluation)
+    return loss, logprob_sum, evaluation.metrics

@@ -1,0 +1,284 @@
+"""``linear_ce::sparse_divergence``: distillation from a stored teacher's top-k as a custom op.
+
+As ``linear_ce::divergence``, one op with two kinds of autograd by ``reduction``:
+"mean"/"sum" form the gradients in forward (three GEMMs per training step: the
+logits and the two gradient GEMMs); "none" returns the row losses and its
+backward reruns the loop with the upstream gradient of each row. The teacher's
+ids and log-probabilities get no gradient.
+
+The teacher's values are checked here, vectorised before the loop (one host
+sync per call; none inside the loop), so a compiled graph does not guard on them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from linear_ce.checks.targets import check_class_indices
+from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
+from linear_ce.engine.plan import acc_dtype_for
+from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.vocab import LocalVocab, Vocab
+from linear_ce.losses.sparse_divergence import SparseDivergenceHead, sparse_teacher
+from linear_ce.ops.autograd import gradient_outputs, hand_over, keep_gradients
+from linear_ce.ops.schema import OpSchema, PlanOptions
+
+__all__ = [
+    "SCHEMA",
+    "SparseDivergenceArguments",
+    "check_sparse_targets",
+    "run_sparse_divergence",
+    "sparse_divergence_op",
+]
+
+_NAME = "sparse_divergence"
+
+
+#: The least allowance of ``_sum_tolerance``: log-probabilities computed in a coarser
+#: dtype than they are stored in (an fp32 softmax kept as fp64 sums to 1 ± k·6e-8) are
+#: log-probabilities all the same; logits, the mistake the check is for, overshoot by far more.
+_MIN_SUM_TOLERANCE = 1e-3
+
+
+def _sum_tolerance(dtype: torch.dtype, k: int) -> float:
+    """How far above 1 the stored probabilities of one position may sum. Rounding a
+    log-probability ``l`` to ``dtype`` moves ``e^l`` by at most ``|l| e^l eps/2``, and over
+    ``k`` slots of total mass at most 1, ``sum |l| e^l <= log k + 1/e``: twice that bound,
+    and at least ``_MIN_SUM_TOLERANCE``."""
+    return max(torch.finfo(dtype).eps * (math.log(k) + 1.0), _MIN_SUM_TOLERANCE)
+
+
+def check_sparse_targets(
+    ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    counted: torch.Tensor,
+    num_classes: int,
+    *,
+    rest: bool,
+    beta: float,
+    name: str = _NAME,
+) -> None:
+    """The teacher's slots at the rows that count (``counted`` ``(N,)``), ``ids`` and
+    ``logprobs`` ``(N, k)``: ids in ``[0, num_classes)`` or ``-1``, no id twice in a row,
+    log-probabilities finite or ``-inf`` and at most 1 in total, a non-empty row where
+    the teacher is renormalised, some residual where ``beta=1`` compares it. One host
+    sync when all is well; errors name ``name`` and the first offending row and slot."""
+    if ids.numel() == 0:
+        return
+    wide = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    lp = logprobs.to(wide)
+    rows = counted[:, None]
+    empty = (ids == -1) | (lp == -math.inf)
+    filled = rows & ~empty
+    bad_id = filled & ((ids < 0) | (ids >= num_classes))
+    bad_value = filled & ~lp.isfinite()
+    ordered = torch.where(filled, ids.long(), -1).sort(dim=-1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    log_total = torch.logsumexp(lp.masked_fill(~filled, -math.inf), dim=-1)
+    over = counted & (log_total > math.log1p(_sum_tolerance(logprobs.dtype, ids.shape[-1])))
+    count = filled.sum(-1)
+    no_slot = counted & (count == 0) if not rest else torch.zeros_like(counted)
+    # Reverse KL over the rest is infinite where the teacher leaves it nothing while the
+    # student (whose softmax is positive) has classes there.
+    no_rest = (
+        counted & (log_total >= 0) & (count < num_classes)
+        if rest and beta == 1.0
+        else torch.zeros_like(counted)
+    )
+    masks = (bad_id, bad_value, repeated, over, no_slot, no_rest)
+    flags = torch.stack([m.any() for m in masks]).tolist()
+    if not any(flags):
+        return
+
+    def first(mask: torch.Tensor) -> tuple[int, ...]:
+        return tuple(int(i) for i in mask.nonzero()[0])
+
+    if flags[0]:
+        row, slot = first(bad_id)
+        raise ValueError(
+            f"{name}: target_ids holds {int(ids[row, slot])} at position {row} (counting the "
+            f"leading dimensions flattened), slot {slot}: outside [0, {num_classes}) (the "
+            f"vocabulary) and not -1 (an empty slot)"
+        )
+    if flags[1]:
+        row, slot = first(bad_value)
+        raise ValueError(
+            f"{name}: target_logprobs is {float(lp[row, slot])} at position {row} (leading "
+            f"dimensions flattened), slot {slot}; expected log-probabilities: finite, or -inf "
+            f"for an empty slot"
+        )
+    if flags[2]:
+        row, slot = first(repeated)
+        raise ValueError(
+            f"{name}: target_ids repeats id {int(ordered[row, slot + 1])} at position {row} "
+            f"(leading dimensions flattened); each id may fill one slot of a position (mark "
+            f"unused slots with id -1 or log-probability -inf)"
+        )
+    if flags[3]:
+        (row,) = first(over)
+        raise ValueError(
+            f"{name}: target_logprobs at position {row} (leading dimensions flattened) sum to "
+            f"{math.exp(float(log_total[row])):.6g} in probability, above 1; expected the "
+            f"teacher's log-probabilities (log_softmax of its logits), not its logits"
+        )
+    if flags[4]:
+        (row,) = first(no_slot)
+        raise ValueError(
+            f"{name}: position {row} (leading dimensions flattened) counts (its target is not "
+            f"ignore_index) but every slot of it is empty (id -1 or log-probability -inf): "
+            f"with mass='renormalize' the teacher has no distribution there; mark the position "
+            f"ignored in target, or use mass='rest'"
+        )
+    (row,) = first(no_rest)
+    raise ValueError(
+        f"{name}: beta=1 (reverse KL) with mass='rest' is infinite at position {row} (leading "
+        f"dimensions flattened): its target_logprobs leave no probability outside the top-k "
+        f"(they sum to {math.exp(float(log_total[row])):.6g}) while the student has classes "
+        f"there; use beta < 1 (the JSD stays finite)"
+    )
+
+
+class SparseDivergenceArguments(NamedTuple):
+    """The arguments of ``linear_ce::sparse_divergence``: the student's rows ``(N, F)``,
+    head ``(V, 1, F)`` and bias ``(V, 1)``, the teacher's slots ``(N, k)`` (ids and
+    log-probabilities), the ``(N, 1)`` target, the upstream gradient of each row
+    (``"none"``'s backward), the divergence and how the teacher's mass outside its slots
+    counts (``rest``), the student's logits transform and the teacher's temperature, the
+    reduction, how it runs, which gradients."""
+
+    input: torch.Tensor
+    linear_weight: torch.Tensor
+    linear_bias: torch.Tensor | None
+    target_ids: torch.Tensor
+    target_logprobs: torch.Tensor
+    target: torch.Tensor
+    grad_rows: torch.Tensor | None
+    ignore_index: int
+    beta: float
+    rest: bool
+    hard_weight: float
+    transform: LogitTransform
+    target_temperature: float
+    reduction: str
+    options: PlanOptions
+    allow_retain_graph: bool
+    needs: Needs
+
+
+def run_sparse_divergence(
+    args: SparseDivergenceArguments, vocab: Vocab
+) -> tuple[torch.Tensor, Gradients]:
+    """``(loss, gradients)``: the chunk loop with a :class:`SparseDivergenceHead`.
+    ``"mean"``/``"sum"``: the scalar loss and its gradients; ``"none"``: the row losses,
+    and with ``grad_rows`` their gradients weighted by it. The teacher's values are
+    checked first, except in a backward's rerun (``grad_rows`` given: its forward saw
+    them)."""
+    input, target = args.input, args.target
+    valid = target != args.ignore_index
+    if args.grad_rows is None:
+        if args.hard_weight > 0.0:
+            check_class_indices(target, args.ignore_index, vocab.total, _NAME)
+        check_sparse_targets(
+            args.target_ids,
+            args.target_logprobs,
+            valid[:, 0],
+            vocab.total,
+            rest=args.rest,
+            beta=args.beta,
+        )
+    options = args.options.as_options()
+    acc = acc_dtype_for(input.dtype, options.acc_dtype)
+    teacher = sparse_teacher(
+        args.target_ids,
+        args.target_logprobs,
+        vocab.total,
+        acc,
+        rest=args.rest,
+        scale=args.target_temperature / args.transform.temperature,
+    )
+    scalar = args.reduction != "none"
+    needs = args.needs.when(scalar or args.grad_rows is not None)
+    if scalar:
+        row_weight = valid.to(acc)
+        if args.reduction == "mean":
+            row_weight = row_weight / valid.sum()
+    else:
+        row_weight = args.grad_rows
+    head = SparseDivergenceHead(
+        teacher,
+        target.long(),
+        valid,
+        vocab.start,
+        args.linear_weight.shape[0],
+        acc,
+        beta=args.beta,
+        hard_weight=args.hard_weight,
+        temperature=args.transform.temperature,
+        row_weight=row_weight if any(needs) else None,
+    )
+    grads = run_head(
+        input,
+        args.linear_weight,
+        args.linear_bias,
+        head,
+        args.transform,
+        options,
+        vocab,
+        needs,
+    )
+    loss = head.loss.sum() if scalar else head.loss
+    if args.reduction == "mean":
+        loss = loss / valid.sum()
+    return loss, grads
+
+
+def _kernel(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
+    """``(loss, grad_input, grad_weight, grad_bias)`` for ``(N, F)`` input, ``(V, 1, F)``
+    weight, ``(N, k)`` teacher slots and ``(N, 1)`` target.
+
+    ``reduction`` "mean"/"sum": the scalar loss and its gradients (where needed).
+    ``"none"`` without ``grad_rows``: the ``(N, 1)`` row losses, no gradient; with
+    ``grad_rows`` ``(N, 1)``: their vector-Jacobian product in the gradient slots."""
+    loss, grads = run_sparse_divergence(args, LocalVocab(args.linear_weight.shape[0]))
+    return loss, *gradient_outputs(grads, args.input)
+
+
+def _fake(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
+    input, weight = args.input, args.linear_weight
+    acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
+    scalar = args.reduction != "none"
+    needs = args.needs.when(scalar or args.grad_rows is not None)
+    grad_shapes = (input.shape, weight.shape, weight.shape[:-1])
+    return (
+        input.new_empty(() if scalar else args.target.shape, dtype=acc),
+        *(
+            input.new_empty(shape if need else (0,))
+            for shape, need in zip(grad_shapes, needs, strict=True)
+        ),
+    )
+
+
+SCHEMA = OpSchema(SparseDivergenceArguments)
+sparse_divergence_op = SCHEMA.define("sparse_divergence", 4, _kernel, _fake)
+
+
+def _setup_context(ctx, inputs, output):
+    args = SCHEMA.unflatten(inputs)
+    ctx.scalar = args.reduction != "none"
+    if ctx.scalar:
+        keep_gradients(ctx, output[1:], args.needs, args.allow_retain_graph)
+        return
+    ctx.set_materialize_grads(False)
+    SCHEMA.save(ctx, args)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    if ctx.scalar:
+        return SCHEMA.gradients(hand_over(ctx, grad_loss))
+    return SCHEMA.recompute(sparse_divergence_op, ctx, grad_rows=grad_loss)
+
+
+sparse_divergence_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,396 @@
+"""The plan's machine-dependent choices (:mod:`linear_ce.engine.machine`): how they are decided,
+cached and forced, and that every choice computes the same result.
+
+The decision rules are tested on synthetic rates (``chunk_rates``/``half_speedup``
+replaced), so they do not depend on the machine running the tests; one test runs the real
+measurement at a tiny size. The results are tested under every forced choice against the
+cross-entropy written here in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linear_ce
+from conftest import eps, rel_err
+from linear_ce import LinearCrossEntropyOptions
+from linear_ce.engine import machine
+from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.gemm import BlockUpcast, NativeHalf, SameDtype
+from linear_ce.engine.plan import make_plan
+
+CPU = torch.device("cpu")
+#: Large enough that the plan consults the measurement (``worth_measuring``).
+BIG = (2048, 1024, 32768)
+ENV = (
+    machine.MEASURE_ENV,
+    machine.CACHE_DIR_ENV,
+    machine.MEMORY_BUDGET_ENV,
+    machine.CHUNK_ROWS_ENV,
+    machine.TILE_LAYOUT_ENV,
+    machine.CLASS_BLOCK_ENV,
+    "LINEAR_CE_NATIVE_HALF_GEMM",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch, tmp_path):
+    """No override from the caller's environment, the disk cache in a fresh directory and
+    no rates from an earlier test (each test sees the store empty)."""
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(machine.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    machine._STORE.clear()
+    yield
+    machine._STORE.clear()
+
+
+def _synthetic(rate_of, spread=1.01):
+    """A ``chunk_rates`` stand-in: ``rate_of(rows, class_major)`` GFLOP/s for all three GEMMs,
+    rounds agreeing within ``spread``; records the rows it was asked to measure."""
+    asked = []
+
+    def chunk_rates(dtype, features, rows, layouts=(True, False)):
+        asked.append(list(rows))
+        return {(b, lay): [rate_of(b, lay)] * 4 + [spread] for b in rows for lay in layouts}
+
+    chunk_rates.asked = asked
+    return chunk_rates
+
+
+def _fp32_plan(**options):
+    return make_plan(*BIG, torch.float32, CPU, LinearCrossEntropyOptions(**options))
+
+
+# --- the fallback and the forced choices ------------------------------------------------
+
+
+def test_fallback_is_the_fixed_rule(monkeypatch):
+    """``LINEAR_CE_MEASURE=0``: no measurement, the budget's rows (256 at this shape: a
+    quarter of the gradients' bytes at V·4 bytes a row), a class-major tile."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    monkeypatch.setattr(machine, "chunk_rates", _fail("measured with LINEAR_CE_MEASURE=0"))
+    plan = _fp32_plan()
+    assert plan.rows_per_chunk == 256
+    assert plan.gemm == SameDtype(torch.float32, class_major=True)
+    assert plan.gemm.logits_buffer(4, 6, torch.float32, CPU).stride() == (1, 4)
+    vocab = make_plan(*BIG, torch.float32, CPU, LinearCrossEntropyOptions(), vocab_pass=True)
+    assert vocab.classes_per_block >= 512
+
+
+def _fail(why):
+    def fail(*args, **kwargs):
+        raise AssertionError(why)
+
+    return fail
+
+
+def test_forced_rows_and_layout(monkeypatch):
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "128")
+    monkeypatch.setenv(machine.TILE_LAYOUT_ENV, "row-major")
+    plan = _fp32_plan()
+    assert plan.rows_per_chunk == 128
+    assert plan.gemm.class_major is False
+    assert plan.gemm.logits_buffer(4, 6, torch.float32, CPU).stride() == (6, 1)
+    # A forced choice is one the measurement could make: never above the budget's rows.
+    monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "1024")
+    assert _fp32_plan().rows_per_chunk == 256
+    # ... and it applies with measuring on too (no measurement is needed for it).
+    monkeypatch.setenv(machine.MEASURE_ENV, "1")
+    monkeypatch.setattr(machine, "chunk_rates", _fail("measured a forced choice"))
+    monkeypatch.setenv(machine.TILE_LAYOUT_ENV, "class-major")
+    plan = _fp32_plan()
+    assert (plan.rows_per_chunk, plan.gemm.class_major) == (256, True)
+
+
+def test_memory_budget_scales_every_share(monkeypatch):
+    """``LINEAR_CE_MEMORY_BUDGET=0.5`` doubles the fp32 share (512 rows here), the half
+    paths' and the vocabulary pass's budgets with it."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    base = {
+        dtype: make_plan(*BIG, dtype, CPU, LinearCrossEntropyOptions())
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    vocab = make_plan(*BIG, torch.float32, CPU, LinearCrossEntropyOptions(), vocab_pass=True)
+    monkeypatch.setenv(machine.MEMORY_BUDGET_ENV, "0.5")
+    assert _fp32_plan().rows_per_chunk == 2 * base[torch.float32].rows_per_chunk == 512
+    half = make_plan(*BIG, torch.bfloat16, CPU, LinearCrossEntropyOptions())
+    assert half.rows_per_chunk >= base[torch.bfloat16].rows_per_chunk
+    more = make_plan(*BIG, torch.float32, CPU, LinearCrossEntropyOptions(), vocab_pass=True)
+    assert more.classes_per_block > vocab.classes_per_block
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        (machine.MEASURE_ENV, "yes", "LINEAR_CE_MEASURE must be one of 0 .*got 'yes'"),
+        (machine.MEMORY_BUDGET_ENV, "-1", "LINEAR_CE_MEMORY_BUDGET must be a positive number"),
+        (machine.MEMORY_BUDGET_ENV, "lots", "LINEAR_CE_MEMORY_BUDGET must be a positive"),
+        (machine.CHUNK_ROWS_ENV, "0", "LINEAR_CE_CHUNK_ROWS must be a positive number of rows"),
+        (machine.TILE_LAYOUT_ENV, "col", "LINEAR_CE_TILE_LAYOUT must be one of class-major"),
+        (machine.CLASS_BLOCK_ENV, "x", "LINEAR_CE_CLASS_BLOCK must be a positive number"),
+    ],
+)
+def test_bad_environment_values_are_clear_errors(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        linear_ce.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4).long())
+
+
+# --- the decision rules, on synthetic rates ----------------------------------------------
+
+
+def test_rows_smallest_within_tolerance_of_the_best(monkeypatch):
+    """Rates 100 at 128 rows, 150 at 192, 158 at 256 (the best): 192 is within 4% of
+    it? No (5.1% below): 256 — the budget's own rows; with 154 at 192 (2.5%): 192."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "process")  # each clear() measures anew
+    rates = {128: 100.0, 192: 150.0, 256: 158.0}
+    fake = _synthetic(lambda b, lay: rates[b] * (1.0 if lay else 0.9))
+    monkeypatch.setattr(machine, "chunk_rates", fake)
+    assert _fp32_plan().rows_per_chunk == 256
+    assert fake.asked == [[128, 192, 256]]  # only the sizes the budget allows
+    machine._STORE.clear()
+    rates[192] = 154.0
+    plan = _fp32_plan()
+    assert plan.rows_per_chunk == 192 and plan.gemm.class_major is True
+
+
+def test_layout_follows_the_faster_gemms(monkeypatch):
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0 if lay else 120.0))
+    plan = _fp32_plan()
+    assert plan.gemm.class_major is False
+    assert plan.rows_per_chunk == 128  # every size equally fast: the smallest
+
+
+def test_unsteady_measurement_falls_back_and_is_not_cached(monkeypatch, tmp_path):
+    """Rounds that disagree by more than ``NOISE_LIMIT`` (a busy machine) decide nothing:
+    the fixed rule, and no cache file, so the next process measures again."""
+    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 50.0, spread=1.3)
+    monkeypatch.setattr(machine, "chunk_rates", fake)
+    plan = _fp32_plan()
+    assert (plan.rows_per_chunk, plan.gemm.class_major) == (256, True)
+    assert not list((tmp_path / "cache").glob("*.json"))
+    _fp32_plan()
+    assert len(fake.asked) == 1  # this process keeps it (no measurement per call)
+
+
+def test_small_calls_are_never_measured(monkeypatch):
+    """A call whose GEMMs cost less than ``MEASURE_RATIO`` times the measurement takes the
+    fixed rule."""
+    monkeypatch.setattr(machine, "chunk_rates", _fail("measured for a small call"))
+    monkeypatch.setattr(machine, "half_speedup", _fail("measured for a small call"))
+    plan = make_plan(512, 256, 8192, torch.float32, CPU, LinearCrossEntropyOptions())
+    assert plan.gemm.class_major is True
+    make_plan(512, 256, 8192, torch.bfloat16, CPU, LinearCrossEntropyOptions())
+    assert not machine.worth_measuring(6 * 512 * 256 * 8192, 256, 256)
+    assert machine.worth_measuring(6.0 * 2048 * 1024 * 32768, 1024, 256)
+
+
+def test_no_measurement_outside_a_plain_cpu_call(monkeypatch):
+    """CUDA, fake tensors and torch.distributed (ranks must plan alike) take the fallback."""
+    monkeypatch.setattr(machine, "chunk_rates", _fail("measured"))
+    flops = 6.0 * 2048 * 1024 * 32768
+    assert not machine.tuning_for(torch.device("cuda"), torch.float32, 1024, flops).allowed
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not machine.tuning_for(CPU, torch.float32, 1024, flops).allowed
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert not machine.tuning_for(CPU, torch.float32, 1024, flops).allowed
+    assert _fp32_plan().rows_per_chunk == 256
+
+
+@pytest.mark.parametrize(("speedup", "native"), [(0.9, False), (1.0, True), (3.0, True)])
+def test_half_path_taken_where_it_measures_faster(monkeypatch, speedup, native):
+    """Where the flags promise native half GEMMs, the plan takes them only if they measure
+    at least ``HALF_MIN_SPEEDUP`` times fp32's rate; ``LINEAR_CE_NATIVE_HALF_GEMM=1``
+    takes them regardless, ``0`` never (the flags are assumed here: no GEMM runs)."""
+    monkeypatch.setattr("linear_ce.engine.plan.native_half_gemm", lambda dtype, device: True)
+    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01])
+    plan = make_plan(*BIG, torch.float16, CPU, LinearCrossEntropyOptions())
+    assert isinstance(plan.gemm, NativeHalf) is native
+    assert isinstance(plan.gemm, BlockUpcast) is not native
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
+    assert isinstance(
+        make_plan(*BIG, torch.float16, CPU, LinearCrossEntropyOptions()).gemm, NativeHalf
+    )
+
+
+def test_half_inputs_keep_the_budgets_longest_chunks(monkeypatch):
+    """The weight-gradient sum of half inputs pays a pass per chunk: the measured rows
+    choice is not applied (nor asked for)."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "0")
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    measured = make_plan(*BIG, torch.bfloat16, CPU, LinearCrossEntropyOptions())
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    fixed = make_plan(*BIG, torch.bfloat16, CPU, LinearCrossEntropyOptions())
+    assert measured.rows_per_chunk == fixed.rows_per_chunk == 512
+
+
+def test_class_block_smallest_at_full_rate(monkeypatch):
+    """The vocabulary pass's fewest classes per block: the smallest candidate within
+    ``TOLERANCE`` of the best rate (256 here); forced by ``LINEAR_CE_CLASS_BLOCK``."""
+    rates = {128: 60.0, 192: 90.0, 256: 150.0, 384: 152.0, 512: 153.0, 768: 154.0, 1024: 155.0}
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: rates[b]))
+    tuning = machine.tuning_for(CPU, torch.float32, 1024, 1e15)
+    assert tuning.min_class_block(512) == 256
+    assert machine.tuning_for(CPU, torch.float32, 1024, 1e9).min_class_block(512) == 512
+    monkeypatch.setenv(machine.CLASS_BLOCK_ENV, "4096")
+    assert tuning.min_class_block(512) == 4096
+    # With few classes per row's budget, groups of rows are sized for that many classes.
+    options = LinearCrossEntropyOptions()
+    plan = make_plan(1 << 20, 64, 32768, torch.float32, CPU, options, vocab_pass=True)
+    assert plan.classes_per_block == 4096
+    monkeypatch.setenv(machine.CLASS_BLOCK_ENV, "512")
+    smaller = make_plan(1 << 20, 64, 32768, torch.float32, CPU, options, vocab_pass=True)
+    assert smaller.classes_per_block == 512 and smaller.rows_per_chunk > plan.rows_per_chunk
+
+
+# --- the cache ----------------------------------------------------------------------------
+
+
+def test_cache_is_written_checked_and_read_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0 + b / 64))
+    first = _fp32_plan()
+    (path,) = (tmp_path / "cache").glob("machine-*.json")
+    data = json.loads(path.read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    assert set(data) == {"version", "machine", "rates", "checksum"}
+    assert not list((tmp_path / "cache").glob("*.tmp"))  # written by rename, nothing left
+    # Another process (here: a cleared store) reads it back without measuring.
+    machine._STORE.clear()
+    monkeypatch.setattr(machine, "chunk_rates", _fail("measured again despite the cache"))
+    assert _fp32_plan() == first
+
+
+def test_a_tampered_cache_is_measured_again_and_replaced(monkeypatch, tmp_path):
+    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 101.0)
+    monkeypatch.setattr(machine, "chunk_rates", fake)
+    _fp32_plan()
+    (path,) = (tmp_path / "cache").glob("machine-*.json")
+    data = json.loads(path.read_text())
+    key = next(iter(data["rates"]))
+    data["rates"][key][0] *= 2  # the checksum no longer matches
+    path.write_text(json.dumps(data))
+    machine._STORE.clear()
+    with pytest.warns(RuntimeWarning, match="ignoring the machine profile .*checksum"):
+        _fp32_plan()
+    assert len(fake.asked) == 2
+    assert machine._check(json.loads(path.read_text()), machine._machine_key()) is None
+
+
+@pytest.mark.parametrize("mode", ["process", "0"])
+def test_no_disk_cache_when_asked(monkeypatch, tmp_path, mode):
+    monkeypatch.setenv(machine.MEASURE_ENV, mode)
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    _fp32_plan()
+    assert not (tmp_path / "cache").exists()
+
+
+def test_unwritable_cache_warns_once_and_measures_per_process(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(machine.CACHE_DIR_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    with pytest.warns(RuntimeWarning, match="cannot write the machine profile"):
+        plan = _fp32_plan()
+    assert plan.rows_per_chunk == 128
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fp32_plan()
+
+
+def test_real_measurement_is_sane():
+    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, both layouts,
+    under autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of
+    an fp32 ``out=`` would raise)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rates = machine.measured_rates(torch.float32, 64, [128, 192])
+    assert set(rates) == {(128, True), (128, False), (192, True), (192, False)}
+    for values in rates.values():
+        assert len(values) == 5 and all(math.isfinite(v) and v > 0 for v in values)
+        assert values[4] >= 1.0
+    speedup, spread = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
+    assert speedup > 0 and spread >= 1.0
+
+
+# --- the same result under every choice ----------------------------------------------------
+
+
+def _exact(x, W, b, t, softcap):
+    """Mean cross-entropy over the valid rows and its gradients, in float64."""
+    x64, W64 = x.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    s = x64 @ W64.T + b.double()
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    valid = t != -100
+    lse = torch.logsumexp(s[valid], dim=1)
+    loss = (lse - s[valid].gather(1, t[valid, None])[:, 0]).mean()
+    loss.backward()
+    return loss, x64.grad, W64.grad
+
+
+def _plain(x, W, b, t, softcap):
+    x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+    s = F.linear(x, W, b)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    loss = F.cross_entropy(s, t)
+    loss.backward()
+    return loss, x.grad, W.grad
+
+
+def _ours(x, W, b, t, softcap):
+    x, W = x.detach().requires_grad_(), W.detach().requires_grad_()
+    loss = linear_ce.linear_cross_entropy(
+        x, W, t, linear_bias=b, ignore_index=-100, softcap=softcap
+    )
+    loss.backward()
+    return loss, x.grad, W.grad
+
+
+CHOICES = {
+    "fallback": {machine.MEASURE_ENV: "0"},
+    "rows-48": {machine.CHUNK_ROWS_ENV: "48"},
+    "rows-96": {machine.CHUNK_ROWS_ENV: "96"},
+    "row-major": {machine.TILE_LAYOUT_ENV: "row-major", machine.CHUNK_ROWS_ENV: "64"},
+    "class-major": {machine.TILE_LAYOUT_ENV: "class-major", machine.CHUNK_ROWS_ENV: "64"},
+    "upcast": {"LINEAR_CE_NATIVE_HALF_GEMM": "0", machine.TILE_LAYOUT_ENV: "row-major"},
+    "native": {"LINEAR_CE_NATIVE_HALF_GEMM": "1"},
+    "budget-small": {machine.MEMORY_BUDGET_ENV: "0.05"},
+}
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_every_choice_computes_the_same_result(monkeypatch, choice, dtype, softcap):
+    """Loss and gradients under each forced choice, many chunks (up to 16 of 48 rows),
+    a quarter of the rows ignored and a bias, against float64: within 3·eps of the dtype or
+    twice the plain expression's own error in that dtype, whichever is larger (the bound
+    of every test; the chunks change how the sums are split, so their rounding)."""
+    if choice == "native" and dtype != torch.float32 and not native_half_gemm(dtype, CPU):
+        pytest.skip(f"no native {dtype} GEMMs on this CPU")
+    for name, value in CHOICES[choice].items():
+        monkeypatch.setenv(name, value)
+    gen = torch.Generator().manual_seed(0)
+    rows, features, classes = 700, 48, 900
+    x = torch.randn(rows, features, generator=gen).to(dtype)
+    W = (torch.randn(classes, features, generator=gen) / features**0.5).to(dtype)
+    b = (torch.randn(classes, generator=gen) / 4).to(dtype)
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[torch.rand(rows, generator=gen) < 0.25] = -100
+    exact = _exact(x, W, b, t, softcap)
+    plain = _plain(x, W, b, t, softcap)
+    ours = _ours(x, W, b, t, softcap)
+    for name, got, own, ref in zip(("loss", "grad x", "grad W"), ours, plain, exact, strict=True):
+        assert got.dtype == dtype
+        bound = max(3 * eps(dtype), 2 * rel_err(own, ref))
+        assert rel_err(got, ref) <= bound, f"{choice} {dtype} {name}: {rel_err(got, ref):.2e}"
