@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from linear_ce.checks.call import Call, check_token_call
+from linear_ce.checks.call import Call, Caller, check_token_call
+from linear_ce.checks.divergence import check_distillation
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.schema import PlanOptions
 from linear_ce.ops.sparse_divergence import SCHEMA, SparseDivergenceArguments, sparse_divergence_op
@@ -62,30 +63,13 @@ def check_sparse_call(
     teacher's values are checked in the op. ``num_classes`` is the whole vocabulary when
     the head is a vocab-parallel shard."""
 
-    def fail(message: str):
-        raise ValueError(f"{name}: {message}")
-
-    def real(label: str, value: object, low: float, high: float) -> float:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not low <= value <= high  # NaN fails this too
-        ):
-            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
-        return float(value)
-
+    caller = Caller(name)
+    fail = caller.fail
     if not isinstance(input, torch.Tensor):
         fail(f"input must be a Tensor, got {type(input).__name__}")
-    beta = real("beta", beta, 0.0, 1.0)
-    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
-    if math.isinf(hard_weight):
-        fail("hard_weight must be finite")
-    if reduction not in ("mean", "sum", "none"):
-        fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    beta, hard_weight = check_distillation(caller, beta, hard_weight, reduction, target)
     if mass not in MASS_TREATMENTS:
         fail(f"mass must be one of {MASS_TREATMENTS}, got {mass!r}")
-    if hard_weight > 0.0 and target is None:
-        fail("hard_weight > 0 needs target (the hard labels)")
     if (
         isinstance(target_temperature, bool)
         or not isinstance(target_temperature, (int, float))

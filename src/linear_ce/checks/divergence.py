@@ -12,7 +12,7 @@ from linear_ce.checks.call import Call, Caller, check_scale, check_softcap, chec
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 
-__all__ = ["DivergenceCall", "check_divergence_call", "check_teacher"]
+__all__ = ["DivergenceCall", "check_distillation", "check_divergence_call", "check_teacher"]
 
 # The student's head goes through the checks of a per-token call, whose arguments are
 # named for a single head; errors call them by the names linear_divergence gives them.
@@ -23,6 +23,37 @@ _STUDENT_NAMES = {
     "softcap": "student_softcap",
     "logit_scale": "student_logit_scale",
 }
+
+
+def check_distillation(
+    caller: Caller,
+    beta: float,
+    hard_weight: float,
+    reduction: str,
+    target: torch.Tensor | None,
+) -> tuple[float, float]:
+    """The scalars every distillation call shares: ``beta`` in ``[0, 1]``, a finite
+    ``hard_weight >= 0`` (``> 0`` needs a ``target``), a reduction; ``(beta, hard_weight)``
+    as floats."""
+
+    def real(label: str, value: object, low: float, high: float) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= value <= high  # NaN fails this too
+        ):
+            caller.fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    beta = real("beta", beta, 0.0, 1.0)
+    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
+    if math.isinf(hard_weight):
+        caller.fail("hard_weight must be finite")
+    if reduction not in ("mean", "sum", "none"):
+        caller.fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if hard_weight > 0.0 and target is None:
+        caller.fail("hard_weight > 0 needs target (the hard labels)")
+    return beta, hard_weight
 
 
 def check_teacher(
@@ -138,30 +169,14 @@ def check_divergence_call(
     """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
     vocabulary when the heads are vocab-parallel shards."""
 
-    def fail(message: str):
-        raise ValueError(f"{name}: {message}")
-
-    def real(label: str, value: object, low: float, high: float) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
-        if not low <= value <= high or math.isnan(value):
-            fail(f"{label} must be a float in [{low}, {high}], got {value!r}")
-        return float(value)
-
+    caller = Caller(name)
     if not isinstance(student_input, torch.Tensor):
-        fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
-    beta = real("beta", beta, 0.0, 1.0)
-    hard_weight = real("hard_weight", hard_weight, 0.0, math.inf)
-    if math.isinf(hard_weight):
-        fail("hard_weight must be finite")
-    if reduction not in ("mean", "sum", "none"):
-        fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
-    if hard_weight > 0.0 and target is None:
-        fail("hard_weight > 0 needs target (the hard labels)")
+        caller.fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
+    beta, hard_weight = check_distillation(caller, beta, hard_weight, reduction, target)
     if not isinstance(return_entropy, bool):
-        fail(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_softcap(Caller(name), teacher_softcap, "teacher_softcap")
-    check_scale(Caller(name), "teacher_logit_scale", teacher_logit_scale)
+        caller.fail(f"return_entropy must be a bool, got {return_entropy!r}")
+    check_softcap(caller, teacher_softcap, "teacher_softcap")
+    check_scale(caller, "teacher_logit_scale", teacher_logit_scale)
     batch = tuple(student_input.shape[:-1])
     if target is None:
         target = torch.zeros(batch, dtype=torch.long, device=student_input.device)

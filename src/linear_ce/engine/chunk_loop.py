@@ -44,7 +44,7 @@ from linear_ce.engine.accumulate import weight_grad_sum
 from linear_ce.engine.gemm import Gemm
 from linear_ce.engine.head import Head, RowStats
 from linear_ce.engine.plan import Plan, make_plan
-from linear_ce.engine.row_chunks import RowChunk, chunk_size, row_chunks, rows_of
+from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.options import LinearCrossEntropyOptions
@@ -173,7 +173,6 @@ def run_chunks(
     chunk = min(plan.rows_per_chunk, max(rows, 1))
     if chunks is None:
         chunks = row_chunks(head.valid, chunk, device)
-    gathered = any(not isinstance(c, slice) for per_p in chunks for c in per_p)
     # A half tile (see the module doc): the chunk's logits and gradient in the input
     # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
     step = min(plan.rows_per_step, chunk)
@@ -192,18 +191,11 @@ def run_chunks(
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
-    x_rows_buf = (
-        torch.empty((chunk, in_features), dtype=input.dtype, device=device) if gathered else None
-    )
-    gx_rows_buf = (
-        torch.empty((chunk, in_features), dtype=acc, device=device)
-        if gathered and grad_input
-        else None
-    )
+    x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input)
     stats_buf = torch.empty((step, 1 + head.extra_sums), dtype=acc, device=device)
     late_buf = torch.empty((step, head.late_sums), dtype=acc, device=device)
     if companion is not None:
-        other = _CompanionBuffers(companion, chunk, local_classes, acc, gathered)
+        other = _CompanionBuffers(companion, chunk, local_classes, acc, x_rows_buf is not None)
 
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None

@@ -36,7 +36,12 @@ import torch
 
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["Head", "KnownStatsHead", "RowStats"]
+__all__ = ["Head", "KnownStatsHead", "RowStats", "Tile"]
+
+#: A tile of the loop: ``(B, C)`` values of one chunk's rows (``B``) and classes (``C``, the
+#: local vocabulary or a block of it) in the accumulation dtype: logits, their exponentials,
+#: a gradient. Any memory layout (class-major on a CPU).
+Tile = torch.Tensor
 
 
 @dataclasses.dataclass
@@ -64,29 +69,21 @@ class Head(Protocol):
     #: Number of row sums formed after the first combination (``sums_after_stats``).
     late_sums: int
 
-    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+    def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         """Row sums read from :math:`u`, into ``out``."""
 
-    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+    def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         """Row sums read from :math:`u` and :math:`e` together, into ``out``."""
 
-    def sums_after_stats(
-        self, u: torch.Tensor, e: torch.Tensor, stats: RowStats, out: torch.Tensor
-    ) -> None:
+    def sums_after_stats(self, u: Tile, e: Tile, stats: RowStats, out: torch.Tensor) -> None:
         """Row sums that need the combined statistics, into ``out`` (only with ``late_sums``)."""
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         """Write the per-row outputs of ``rows`` at position ``p``."""
 
     def grad_tile(
-        self,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float,
-    ) -> torch.Tensor:
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
+    ) -> Tile:
         """Overwrite a tile with ``factor · ∂L/∂s`` and return it."""
 
 
@@ -98,8 +95,6 @@ class KnownStatsHead(Protocol):
     #: ``(N, P)`` bool: the rows (and positions) that carry an output; the others are skipped.
     valid: torch.Tensor
 
-    def grad_block(
-        self, s: torch.Tensor, rows: RowChunk, p: int, classes: slice, factor: float
-    ) -> None:
+    def grad_block(self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float) -> None:
         """Overwrite ``s`` ``(B, C)``, the transformed logits of ``rows`` at position ``p``
         for the local classes ``classes``, with ``factor · ∂L/∂s``."""

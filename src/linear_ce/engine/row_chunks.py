@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["RowChunk", "chunk_size", "row_chunks", "rows_of"]
+__all__ = ["RowChunk", "chunk_size", "gather_buffers", "row_chunks", "rows_of"]
 
 #: A chunk's rows: consecutive (``slice``) or gathered (an index tensor on the device).
 RowChunk = slice | torch.Tensor
@@ -57,3 +57,22 @@ def rows_of(t: torch.Tensor, rows: RowChunk, buffer: torch.Tensor | None) -> tor
     if isinstance(rows, slice):
         return t[rows]
     return torch.index_select(t, 0, rows, out=buffer[: rows.numel()])
+
+
+def gather_buffers(
+    chunks: list[list[RowChunk]],
+    size: int,
+    input: torch.Tensor,
+    acc_dtype: torch.dtype,
+    grad_input: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Buffers of ``size`` rows for the gathered chunks among ``chunks``: their rows of
+    ``input`` (for :func:`rows_of`) and, with ``grad_input``, their input gradient in
+    ``acc_dtype``; ``None`` where every chunk is consecutive (used in place)."""
+    if all(isinstance(c, slice) for per_p in chunks for c in per_p):
+        return None, None
+    shape, device = (size, input.shape[1]), input.device
+    return (
+        torch.empty(shape, dtype=input.dtype, device=device),
+        torch.empty(shape, dtype=acc_dtype, device=device) if grad_input else None,
+    )

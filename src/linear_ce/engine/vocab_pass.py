@@ -36,7 +36,7 @@ import torch
 from linear_ce.engine.chunk_loop import Gradients, add_grad_input_rows, tiles_for
 from linear_ce.engine.head import KnownStatsHead
 from linear_ce.engine.plan import Plan, make_plan
-from linear_ce.engine.row_chunks import chunk_size, row_chunks, rows_of
+from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -103,20 +103,12 @@ def run_vocab_pass(
     group = min(plan.rows_per_chunk, max(rows, 1))
     block = min(plan.classes_per_block, max(classes, 1))
     groups = row_chunks(head.valid, group, device)
-    gathered = any(not isinstance(g, slice) for per_p in groups for g in per_p)
     # Flat storage, viewed per block in the backend's tile layout, so the last (narrower)
     # block and group get dense tiles too.
     class_major = _class_major_tile(plan, device)
     tile_store = torch.empty(group * block, dtype=acc, device=device)
     sech2_store = torch.empty_like(tile_store) if transform.softcap is not None else None
-    x_rows_buf = (
-        torch.empty((group, in_features), dtype=input.dtype, device=device) if gathered else None
-    )
-    gx_rows_buf = (
-        torch.empty((group, in_features), dtype=acc, device=device)
-        if gathered and grad_input
-        else None
-    )
+    x_rows_buf, gx_rows_buf = gather_buffers(groups, group, input, acc, grad_input)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = (
         torch.zeros(weight.shape, dtype=plan.input_dtype, device=device) if grad_weight else None

@@ -48,7 +48,7 @@ import dataclasses
 import torch
 
 from linear_ce.checks.call import Call
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["CrossEntropyHead", "RowTerms", "mean_denominator", "row_terms", "row_weights"]
@@ -215,7 +215,7 @@ class CrossEntropyHead:
         self.row_loss = torch.zeros(shape, dtype=acc, device=terms.A.device)
         self.lse = torch.zeros(shape, dtype=acc, device=terms.A.device)
 
-    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+    def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         # Σ_j a_ij u_ij: the target logit, the smoothing term, the soft target.
         terms, lin = self.terms, out[:, 0]
         if terms.target is not None:
@@ -233,7 +233,7 @@ class CrossEntropyHead:
             self.q = q if self.class_weight is None else q * self.class_weight
             lin.add_((self.q * u).sum(1), alpha=terms.gamma)
 
-    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+    def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         pass
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
@@ -244,14 +244,8 @@ class CrossEntropyHead:
         self.lse[rows, p] = stats.lse
 
     def grad_tile(
-        self,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float,
-    ) -> torch.Tensor:
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
+    ) -> Tile:
         terms = self.terms
         r = terms.scale[rows, p] * factor
         e.mul_((r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp)[:, None])

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["DivergenceHead"]
@@ -114,13 +114,13 @@ class DivergenceHead:
             self._scratch = have
         return [have[i, :rows] for i in range(count)]
 
-    def companion_tile(self, t: torch.Tensor, rows: RowChunk, p: int) -> None:
+    def companion_tile(self, t: Tile, rows: RowChunk, p: int) -> None:
         self.t = t
 
     def _sum(self, out: torch.Tensor, name: str) -> torch.Tensor:
         return out[:, self.index[name]]
 
-    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+    def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         t = self.t
         out.zero_()
         z_t = self._sum(out, "z_t")
@@ -145,7 +145,7 @@ class DivergenceHead:
             self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
             torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned, out=self._sum(out, "picked"))
 
-    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+    def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if not (self.mode == "reverse" or self.own_z1 or self.entropy_on):
             return
         (a,) = self._scratch_blocks(u, 1)
@@ -159,9 +159,7 @@ class DivergenceHead:
             if self.entropy_on:
                 self._sum(out, "eu").add_(torch.mul(e_blk, u[:, span], out=part).sum(1))
 
-    def sums_after_stats(
-        self, u: torch.Tensor, e: torch.Tensor, stats: RowStats, out: torch.Tensor
-    ) -> None:
+    def sums_after_stats(self, u: Tile, e: Tile, stats: RowStats, out: torch.Tensor) -> None:
         # u ← log p − log r and t ← log q − log r; out = (Σ q (log q − log r), Σ e^u (log p − log r)).
         t, beta = self.t, self.beta
         log_zs = stats.log_sum_exp[:, None]
@@ -208,14 +206,8 @@ class DivergenceHead:
             self.entropy[rows, p] = log_zs - self._sum(sums, "eu") / z_s
 
     def grad_tile(
-        self,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float,
-    ) -> torch.Tensor:
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
+    ) -> Tile:
         w = self.row_weight[rows, p].to(stats.sum_exp.dtype) * factor
         z_s = stats.sum_exp
         # The hard term's softmax at temperature 1 folds into p's coefficient when T = 1.

@@ -38,6 +38,7 @@ from linear_ce.engine.head import RowStats
 from linear_ce.engine.row_chunks import RowChunk, chunk_size
 from linear_ce.engine.sequence_layout import GroupChunk, SequenceTotals
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
+from linear_ce.losses.token_objective import other_leaf
 
 __all__ = [
     "Metrics",
@@ -289,29 +290,18 @@ class SequenceEvaluation:
             )
 
     def _refuse_other_leaves(self, total: torch.Tensor, leaves: list[torch.Tensor]) -> None:
-        """Raise when the loss depends on a tensor that requires grad besides ``leaves`` (one
-        the objective closes over; side inputs are data): only ``leaves`` are
-        differentiated, so its gradient would be lost. A walk of the objective's small graph
-        on the host, no device work."""
-        if not total.requires_grad:
-            return
-        stack, seen = [total.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is None:
-                stack.extend(next_node for next_node, _ in node.next_functions)
-            elif not any(variable is leaf for leaf in leaves):
-                raise ValueError(
-                    f"{self.name}: the objective's loss depends on a tensor that requires grad "
-                    f"besides the log-probabilities and entropies (shape "
-                    f"{tuple(variable.shape)}, e.g. one it closes over); only those are "
-                    "differentiated, so that tensor's gradient would be lost: pass data as a "
-                    "side input, detach it, or apply a learnable factor outside the call"
-                )
+        """Raise when the loss depends on a tensor that requires grad besides ``leaves``
+        (:func:`~linear_ce.losses.token_objective.other_leaf`): only ``leaves`` are
+        differentiated, so its gradient would be lost."""
+        variable = other_leaf(total, leaves)
+        if variable is not None:
+            raise ValueError(
+                f"{self.name}: the objective's loss depends on a tensor that requires grad "
+                f"besides the log-probabilities and entropies (shape "
+                f"{tuple(variable.shape)}, e.g. one it closes over); only those are "
+                "differentiated, so that tensor's gradient would be lost: pass data as a "
+                "side input, detach it, or apply a learnable factor outside the call"
+            )
 
 
 class SequenceHead(TokenLogprobHead):

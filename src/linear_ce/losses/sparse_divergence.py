@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["SparseDivergenceHead", "SparseTeacher", "sparse_teacher"]
@@ -182,7 +182,7 @@ class SparseDivergenceHead:
             self._scratch = have
         return have[:rows]
 
-    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+    def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         self.rows = rows
         local = self.teacher.ids[rows] - self.start
         self.owned = (local >= 0) & (local < self.local)
@@ -194,7 +194,7 @@ class SparseDivergenceHead:
             self.safe_t = torch.where(self.owned_t, local_t, 0)[:, None]
             torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned_t, out=self._sum(out, "picked"))
 
-    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+    def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if self.own_z1:
             z_1 = self._sum(out, "z_1").zero_()
             block = self._block(e)
@@ -207,9 +207,7 @@ class SparseDivergenceHead:
             e.scatter_add_(1, self.safe, torch.where(self.owned, -e_k, 0.0))
             torch.sum(e, dim=1, out=self._sum(out, "rest"))
 
-    def sums_after_stats(
-        self, u: torch.Tensor, e: torch.Tensor, stats: RowStats, out: torch.Tensor
-    ) -> None:
+    def sums_after_stats(self, u: Tile, e: Tile, stats: RowStats, out: torch.Tensor) -> None:
         teacher, rows, owned = self.teacher, self.rows, self.owned
         log_q, q = teacher.log_q[rows], teacher.q[rows]
         log_p = self.u_k - stats.log_sum_exp[:, None]
@@ -261,14 +259,8 @@ class SparseDivergenceHead:
         self.loss[rows, p] = divergence
 
     def grad_tile(
-        self,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float,
-    ) -> torch.Tensor:
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
+    ) -> Tile:
         w = self.row_weight[rows, p].to(stats.sum_exp.dtype) * factor
         z = stats.sum_exp
         p_k, q = self.p_k, self.teacher.q[rows]

@@ -41,7 +41,7 @@ import dataclasses
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
@@ -146,7 +146,7 @@ class TokenLogprobHead:
             torch.mul(a[:, start:stop], b[:, start:stop], out=part)
             out.add_(part.sum(1))
 
-    def sums_before_exp(self, u: torch.Tensor, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+    def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         slot = self.slot
         target = self.target[rows, p]
         local_t = target - self.start
@@ -174,7 +174,7 @@ class TokenLogprobHead:
         torch.eq(u, 0.0, out=is_max)
         return is_max.sum(1)
 
-    def sums_after_exp(self, u: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:
+    def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if self.entropy_on:
             # u must survive for the gradient, so the product goes through a block scratch.
             self._row_dot(u, e, out[:, self.slot["dot"]])
@@ -200,14 +200,8 @@ class TokenLogprobHead:
             self.top1[rows, p] = (sums[:, slot["target_is_max"]] > 0) & clear
 
     def grad_tile(
-        self,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float,
-    ) -> torch.Tensor:
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
+    ) -> Tile:
         z = stats.sum_exp
         g, h = self.upstream(rows, p)
         g = torch.zeros_like(z) if g is None else g.to(z.dtype) * factor
@@ -267,9 +261,7 @@ class TokenLogprobGradient:
         self.grad_logprob, self.grad_entropy = grad_logprob, grad_entropy
         self._piece: torch.Tensor | None = None
 
-    def grad_block(
-        self, s: torch.Tensor, rows: RowChunk, p: int, classes: slice, factor: float
-    ) -> None:
+    def grad_block(self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float) -> None:
         dtype = s.dtype
         stats = self.row_stats[rows, p].to(dtype)
         row_max, log_z, mean_u = (stats[:, i : i + 1] for i in range(3))

@@ -20,7 +20,7 @@ from linear_ce.engine.head import RowStats
 from linear_ce.engine.row_chunks import RowChunk
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 
-__all__ = ["ObjectiveHead"]
+__all__ = ["ObjectiveHead", "other_leaf"]
 
 
 class ObjectiveHead(TokenLogprobHead):
@@ -98,30 +98,36 @@ class ObjectiveHead(TokenLogprobHead):
 
     def _refuse_other_leaves(self, total: torch.Tensor, leaves: list[torch.Tensor]) -> None:
         """Raises when the chunk's loss depends on a tensor that requires grad other than
-        ``leaves``: a tensor the objective closes over (side inputs are detached). Only
-        ``leaves`` are differentiated, so its gradient would be lost. A walk of the
-        objective's graph on the host: tens of nodes, no device work."""
-        if not total.requires_grad:
-            return
-        stack, seen = [total.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is None:
-                stack.extend(next_node for next_node, _ in node.next_functions)
-            elif not any(variable is leaf for leaf in leaves):
-                raise ValueError(
-                    f"{self.name}: objective's result depends on a tensor that requires grad "
-                    f"other than its logprob and entropy arguments (shape "
-                    f"{tuple(variable.shape)}, e.g. one it closes over); {self.name} "
-                    "differentiates the objective with respect to logprob and entropy only, "
-                    "so that tensor's gradient would be lost. Pass per-token data as a side "
-                    f"input ({self.name}(..., name=tensor.detach())), detach the tensor, or "
-                    f"apply a learnable factor outside the call (coef * {self.name}(...))"
-                )
+        ``leaves`` (:func:`other_leaf`): only ``leaves`` are differentiated, so its gradient
+        would be lost."""
+        variable = other_leaf(total, leaves)
+        if variable is not None:
+            raise ValueError(
+                f"{self.name}: objective's result depends on a tensor that requires grad "
+                f"other than its logprob and entropy arguments (shape "
+                f"{tuple(variable.shape)}, e.g. one it closes over); {self.name} "
+                "differentiates the objective with respect to logprob and entropy only, "
+                "so that tensor's gradient would be lost. Pass per-token data as a side "
+                f"input ({self.name}(..., name=tensor.detach())), detach the tensor, or "
+                f"apply a learnable factor outside the call (coef * {self.name}(...))"
+            )
 
-    def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.chunk_grads[0], self.chunk_grads[1]
+
+def other_leaf(total: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    """A tensor that requires grad, other than ``leaves``, that ``total`` depends on (one an
+    objective closes over; side inputs are detached data), or ``None``. A walk of the
+    objective's graph on the host: tens of nodes, no device work."""
+    if not total.requires_grad:
+        return None
+    stack, seen = [total.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is None:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        elif not any(variable is leaf for leaf in leaves):
+            return variable
+    return None

@@ -23,6 +23,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 
 from linear_ce.engine.chunk_loop import Gradients, Needs
+from linear_ce.ops.schema import OpSchema
 
 __all__ = [
     "Forward",
@@ -32,6 +33,9 @@ __all__ = [
     "hand_over",
     "hand_over_gradients",
     "keep_gradients",
+    "reduce_rows",
+    "register_by_reduction",
+    "row_weight",
 ]
 
 
@@ -97,6 +101,47 @@ def hand_over_gradients(
         else g * grad_loss.to(g.dtype)
         for g in stored
     ]
+
+
+def row_weight(
+    valid: torch.Tensor, reduction: str, grad_rows: torch.Tensor | None, acc: torch.dtype
+) -> torch.Tensor | None:
+    """The upstream gradient of each row: of a scalar loss 1 ("sum") or 1/count
+    ("mean"), over the ``valid`` rows; ``grad_rows`` for ``"none"``."""
+    if reduction == "none":
+        return grad_rows
+    weight = valid.to(acc)
+    return weight / valid.sum() if reduction == "mean" else weight
+
+
+def reduce_rows(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The per-row ``loss`` reduced: summed, divided by the ``valid`` rows for "mean"."""
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / valid.sum() if reduction == "mean" else total
+
+
+def register_by_reduction(op: Any, schema: OpSchema) -> None:
+    """The autograd of an op whose ``reduction`` argument decides it: "mean"/"sum" form
+    the gradients in forward and hand them over; "none" recomputes them in backward
+    with the upstream gradient of each row as the op's ``grad_rows``."""
+
+    def setup_context(ctx, inputs, output):
+        args = schema.unflatten(inputs)
+        ctx.scalar = args.reduction != "none"
+        if ctx.scalar:
+            keep_gradients(ctx, output[-3:], args.needs, args.allow_retain_graph)
+            return
+        ctx.set_materialize_grads(False)
+        schema.save(ctx, args)
+
+    def backward(ctx, grad_loss, *_unused):
+        if ctx.scalar:
+            return schema.gradients(hand_over(ctx, grad_loss))
+        return schema.recompute(op, ctx, grad_rows=grad_loss)
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
 class Forward(NamedTuple):

@@ -27,7 +27,14 @@ from linear_ce.engine.plan import DIVERGENCE_SHARE, acc_dtype_for, make_plan
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.divergence import DivergenceHead
-from linear_ce.ops.autograd import Forward, OnVocab, gradient_outputs, hand_over, keep_gradients
+from linear_ce.ops.autograd import (
+    Forward,
+    OnVocab,
+    gradient_outputs,
+    reduce_rows,
+    register_by_reduction,
+    row_weight,
+)
 from linear_ce.ops.schema import OpSchema, PlanOptions
 
 __all__ = ["SCHEMA", "DivergenceArguments", "divergence", "divergence_on_shard"]
@@ -61,14 +68,6 @@ class DivergenceArguments(NamedTuple):
     name: str = "linear_divergence"
 
 
-def _row_weight(valid: torch.Tensor, reduction: str, acc: torch.dtype) -> torch.Tensor:
-    """The upstream gradient of each row of a scalar loss: 1 ("sum") or 1/count ("mean")."""
-    weight = valid.to(acc)
-    if reduction == "mean":
-        weight = weight / valid.sum()
-    return weight
-
-
 def run_divergence(
     args: DivergenceArguments, vocab: Vocab
 ) -> tuple[torch.Tensor, torch.Tensor, Gradients]:
@@ -83,9 +82,8 @@ def run_divergence(
     options = args.options.as_options()
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     valid = target != args.ignore_index
-    scalar = args.reduction != "none"
-    needs = args.needs.when(scalar or args.grad_rows is not None)
-    row_weight = _row_weight(valid, args.reduction, acc) if scalar else args.grad_rows
+    needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
+    weight = row_weight(valid, args.reduction, args.grad_rows, acc)
     head = DivergenceHead(
         target.long(),
         valid,
@@ -96,7 +94,7 @@ def run_divergence(
         hard_weight=args.hard_weight,
         temperature=args.transform.temperature,
         entropy=args.entropy,
-        row_weight=row_weight if any(needs) else None,
+        row_weight=weight if any(needs) else None,
     )
     # The teacher's plan gives its GEMM backend (its dtype may differ from the student's).
     teacher_plan = make_plan(
@@ -128,9 +126,7 @@ def run_divergence(
         needs,
         teacher,
     )
-    loss = head.loss.sum() if scalar else head.loss
-    if args.reduction == "mean":
-        loss = loss / valid.sum()
+    loss = reduce_rows(head.loss, valid, args.reduction)
     entropy = head.entropy if args.entropy else input.new_empty((0,), dtype=acc)
     return loss, entropy, grads
 
@@ -166,23 +162,7 @@ SCHEMA = OpSchema(DivergenceArguments)
 divergence = SCHEMA.define("divergence", 5, _kernel, _fake)
 
 
-def _setup_context(ctx, inputs, output):
-    args = SCHEMA.unflatten(inputs)
-    ctx.scalar = args.reduction != "none"
-    if ctx.scalar:
-        keep_gradients(ctx, output[2:], args.needs, args.allow_retain_graph)
-        return
-    ctx.set_materialize_grads(False)
-    SCHEMA.save(ctx, args)
-
-
-def _backward(ctx, grad_loss, *_unused):
-    if ctx.scalar:
-        return SCHEMA.gradients(hand_over(ctx, grad_loss))
-    return SCHEMA.recompute(divergence, ctx, grad_rows=grad_loss)
-
-
-divergence.register_autograd(_backward, setup_context=_setup_context)
+register_by_reduction(divergence, SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True)

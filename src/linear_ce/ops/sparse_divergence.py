@@ -23,7 +23,12 @@ from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.sparse_divergence import SparseDivergenceHead, sparse_teacher
-from linear_ce.ops.autograd import gradient_outputs, hand_over, keep_gradients
+from linear_ce.ops.autograd import (
+    gradient_outputs,
+    reduce_rows,
+    register_by_reduction,
+    row_weight,
+)
 from linear_ce.ops.schema import OpSchema, PlanOptions
 
 __all__ = [
@@ -199,14 +204,8 @@ def run_sparse_divergence(
         rest=args.rest,
         scale=args.target_temperature / args.transform.temperature,
     )
-    scalar = args.reduction != "none"
-    needs = args.needs.when(scalar or args.grad_rows is not None)
-    if scalar:
-        row_weight = valid.to(acc)
-        if args.reduction == "mean":
-            row_weight = row_weight / valid.sum()
-    else:
-        row_weight = args.grad_rows
+    needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
+    weight = row_weight(valid, args.reduction, args.grad_rows, acc)
     head = SparseDivergenceHead(
         teacher,
         target.long(),
@@ -217,7 +216,7 @@ def run_sparse_divergence(
         beta=args.beta,
         hard_weight=args.hard_weight,
         temperature=args.transform.temperature,
-        row_weight=row_weight if any(needs) else None,
+        row_weight=weight if any(needs) else None,
     )
     grads = run_head(
         input,
@@ -229,10 +228,7 @@ def run_sparse_divergence(
         vocab,
         needs,
     )
-    loss = head.loss.sum() if scalar else head.loss
-    if args.reduction == "mean":
-        loss = loss / valid.sum()
-    return loss, grads
+    return reduce_rows(head.loss, valid, args.reduction), grads
 
 
 def _kernel(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
@@ -265,20 +261,4 @@ SCHEMA = OpSchema(SparseDivergenceArguments)
 sparse_divergence_op = SCHEMA.define("sparse_divergence", 4, _kernel, _fake)
 
 
-def _setup_context(ctx, inputs, output):
-    args = SCHEMA.unflatten(inputs)
-    ctx.scalar = args.reduction != "none"
-    if ctx.scalar:
-        keep_gradients(ctx, output[1:], args.needs, args.allow_retain_graph)
-        return
-    ctx.set_materialize_grads(False)
-    SCHEMA.save(ctx, args)
-
-
-def _backward(ctx, grad_loss, *_unused):
-    if ctx.scalar:
-        return SCHEMA.gradients(hand_over(ctx, grad_loss))
-    return SCHEMA.recompute(sparse_divergence_op, ctx, grad_rows=grad_loss)
-
-
-sparse_divergence_op.register_autograd(_backward, setup_context=_setup_context)
+register_by_reduction(sparse_divergence_op, SCHEMA)

@@ -28,16 +28,12 @@ the input's own, the head's own on the dimensions that do not split the rows, an
 as DTensor's own ``linear`` gives). A plain head with a split input gets that partial sum
 as a plain tensor (what a data-parallel wrapper reduces).
 
-The hook: a public function is decorated once, naming the roles of its arguments::
+The hook: a public function is decorated once, naming the roles of its arguments (here
+the per-token ones, the head's, and its vocab-parallel front)::
 
-    @accepts_dtensors(
-        rows=("input", "target", "token_weight"),
-        heads=("linear_weight", "linear_bias"),
-        whole=("weight",),
-        vocab_parallel=vocab_parallel_linear_cross_entropy,
-        mean=_weight_total,
-    )
-    def linear_cross_entropy(input, linear_weight, target, *, ...): ...
+    @accepts_dtensors(rows=("input", "target"), heads=("linear_weight", "linear_bias"),
+                      vocab_parallel=vocab_parallel_token_logprobs)
+    def token_logprobs(input, linear_weight, target, *, linear_bias=None, ...): ...
 
 The head's tensors must be split alike (a plain one counts as replicated). Four arguments are
 read by name where the function has them: ``target``, ``shift`` and ``ignore_index`` (the labels
