@@ -1,13 +1,14 @@
 r"""The autograd of :func:`linear_ce.sequence_objective`: one pass, gradients in forward.
 
-Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens; the
-plan is made without a half tile, whose steps would hand the head part of a chunk), the
+Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens, grown
+up to ``GROUP_BUDGET_SHARE`` of the gradients' bytes for the longest group; the plan is
+made without a half tile, whose steps would hand the head part of a chunk), the
 chunk loop runs once over chunks of whole groups
 (:meth:`~linear_ce.sequence_layout.SequenceLayout.chunks`) with
 :class:`~linear_ce.losses.sequence_objective.SequenceHead`: per chunk the logits GEMM, the
 objective and its gradient, the two gradient GEMMs — three GEMMs per training step.
 
-Where one group has more scored tokens than a chunk may hold, the call takes the
+Where one group has more scored tokens than even that chunk may hold, the call takes the
 four-GEMM path: the loop computes every token's log-probability and row statistics (one
 GEMM, no gradient), the objective is evaluated on all groups at once, and the vocabulary
 pass (:mod:`linear_ce.vocab_pass`) forms the gradients from the row statistics (three
@@ -42,7 +43,13 @@ from linear_ce.sequence_layout import SequenceLayout
 from linear_ce.vocab import LocalVocab
 from linear_ce.vocab_pass import vocab_pass_gradients
 
-__all__ = ["SequenceSpec", "sequence_objective_op"]
+__all__ = ["GROUP_BUDGET_SHARE", "SequenceSpec", "sequence_objective_op"]
+
+#: A chunk may grow beyond the plan's to hold the longest group while its tiles take at most
+#: this share of the gradients' bytes (the budget rule's, :func:`linear_ce.plan.choose_chunk_rows`):
+#: with the gradients themselves, 1.5× their bytes. Only the budget rule grows
+#: (``chunking_method`` ``"auto"``/``"budget[:N]"``); ``batch_chunk_size`` is a hard limit.
+GROUP_BUDGET_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +107,22 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
         tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
         half_tile=False,
     )
+    if layout.max_group_tokens > plan.rows_per_chunk:
+        roomy = make_plan(
+            rows,
+            in_features,
+            spec.planned_classes,
+            input.dtype,
+            input.device,
+            spec.options,
+            tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
+            share=GROUP_BUDGET_SHARE,
+            half_tile=False,
+        )
+        if layout.max_group_tokens <= roomy.rows_per_chunk:
+            # Chunks just long enough for the longest group, not the roomy plan's.
+            longest = layout.max_group_tokens
+            plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
         return None
