@@ -93,35 +93,31 @@ def _no_direct_sum_overflow(plan: Plan, chunks: int) -> Plan:
     )
 
 
-def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
-    """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
-    call, layout = spec.call, spec.layout
+def _plan(input: torch.Tensor, spec: SequenceSpec, tiles: int, **kwargs) -> Plan:
+    """:func:`linear_ce.plan.make_plan` for this call's rows and classes per process."""
     rows, in_features = input.shape
-    plan = make_plan(
+    return make_plan(
         rows,
         in_features,
         spec.planned_classes,
         input.dtype,
         input.device,
         spec.options,
-        tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
-        half_tile=False,
+        tiles=tiles,
+        **kwargs,
     )
-    if layout.max_group_tokens > plan.rows_per_chunk:
-        roomy = make_plan(
-            rows,
-            in_features,
-            spec.planned_classes,
-            input.dtype,
-            input.device,
-            spec.options,
-            tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
-            share=GROUP_BUDGET_SHARE,
-            half_tile=False,
-        )
-        if layout.max_group_tokens <= roomy.rows_per_chunk:
+
+
+def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
+    """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
+    call, layout = spec.call, spec.layout
+    tiles = tiles_for(spec.entropy, call.transform, any(spec.needs))
+    plan = _plan(input, spec, tiles, half_tile=False)
+    longest = layout.max_group_tokens
+    if longest > plan.rows_per_chunk:
+        roomy = _plan(input, spec, tiles, share=GROUP_BUDGET_SHARE, half_tile=False)
+        if longest <= roomy.rows_per_chunk:
             # Chunks just long enough for the longest group, not the roomy plan's.
-            longest = layout.max_group_tokens
             plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
@@ -167,16 +163,7 @@ def _four_gemm(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Grad
         outputs=TokenOutputs(entropy=spec.entropy),
         num_classes=spec.num_classes,
     )
-    rows, in_features = input.shape
-    plan = make_plan(
-        rows,
-        in_features,
-        spec.planned_classes,
-        input.dtype,
-        input.device,
-        spec.options,
-        tiles=tiles_for(head.keeps_logits, call.transform, False),
-    )
+    plan = _plan(input, spec, tiles_for(head.keeps_logits, call.transform, False))
     run_chunks(
         input,
         weight,
