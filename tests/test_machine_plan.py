@@ -50,14 +50,14 @@ def clean(monkeypatch, tmp_path):
     machine._STORE.clear()
 
 
-def _synthetic(rate_of, spread=1.01):
+def _synthetic(rate_of, spread=1.01, busy=0.98):
     """A ``chunk_rates`` stand-in: ``rate_of(rows, class_major)`` GFLOP/s for all three GEMMs,
-    rounds agreeing within ``spread``; records the rows it was asked to measure."""
+    rounds agreeing within ``spread``, threads ``busy``; records the rows it measured."""
     asked = []
 
     def chunk_rates(dtype, features, rows, layouts=(True, False)):
         asked.append(list(rows))
-        return {(b, lay): [rate_of(b, lay)] * 4 + [spread] for b in rows for lay in layouts}
+        return {(b, lay): [rate_of(b, lay)] * 4 + [spread, busy] for b in rows for lay in layouts}
 
     chunk_rates.asked = asked
     return chunk_rates
@@ -168,10 +168,12 @@ def test_layout_follows_the_faster_gemms(monkeypatch):
     assert plan.rows_per_chunk == 128  # every size equally fast: the smallest
 
 
-def test_unsteady_measurement_falls_back_and_is_not_cached(monkeypatch, tmp_path):
-    """Rounds that disagree by more than ``NOISE_LIMIT`` (a busy machine) decide nothing:
-    the fixed rule, and no cache file, so the next process measures again."""
-    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 50.0, spread=1.3)
+@pytest.mark.parametrize(("spread", "busy"), [(1.3, 0.98), (1.01, 0.3)], ids=["spread", "idle"])
+def test_unsteady_measurement_falls_back_and_is_not_cached(monkeypatch, tmp_path, spread, busy):
+    """Rounds that disagree by more than ``NOISE_LIMIT``, or threads that ran less than
+    ``MIN_BUSY`` of the time (a busy machine), decide nothing: the fixed rule, and no cache
+    file, so the next process measures again."""
+    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 50.0, spread=spread, busy=busy)
     monkeypatch.setattr(machine, "chunk_rates", fake)
     plan = _fp32_plan()
     assert (plan.rows_per_chunk, plan.gemm.class_major) == (256, True)
@@ -212,7 +214,7 @@ def test_half_path_taken_where_it_measures_faster(monkeypatch, speedup, native):
     at least ``HALF_MIN_SPEEDUP`` times fp32's rate; ``LINEAR_CE_NATIVE_HALF_GEMM=1``
     takes them regardless, ``0`` never (the flags are assumed here: no GEMM runs)."""
     monkeypatch.setattr("linear_ce.plan.native_half_gemm", lambda dtype, device: True)
-    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01])
+    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01, 0.9])
     plan = make_plan(*BIG, torch.float16, CPU, LinearCrossEntropyOptions())
     assert isinstance(plan.gemm, NativeHalf) is native
     assert isinstance(plan.gemm, BlockUpcast) is not native
@@ -307,17 +309,18 @@ def test_unwritable_cache_warns_once_and_measures_per_process(monkeypatch, tmp_p
 
 
 def test_real_measurement_is_sane():
-    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, both layouts,
-    under autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of
-    an fp32 ``out=`` would raise)."""
+    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, a busy share in
+    (0, 1.5] (a little over 1 where the BLAS has a helper thread), both layouts, under
+    autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of an fp32
+    ``out=`` would raise)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rates = machine.measured_rates(torch.float32, 64, [128, 192])
     assert set(rates) == {(128, True), (128, False), (192, True), (192, False)}
     for values in rates.values():
-        assert len(values) == 5 and all(math.isfinite(v) and v > 0 for v in values)
-        assert values[4] >= 1.0
-    speedup, spread = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
-    assert speedup > 0 and spread >= 1.0
+        assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values)
+        assert values[4] >= 1.0 and values[5] <= 1.5
+    speedup, spread, busy = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
+    assert speedup > 0 and spread >= 1.0 and 0 < busy <= 1.5
 
 
 # --- the same result under every choice ----------------------------------------------------

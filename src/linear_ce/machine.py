@@ -11,12 +11,15 @@ measurement of this machine's GEMMs at the call's shape class (its feature count
 dtype), taken once per process and cached on disk per machine and torch version.
 
 What is measured (:func:`chunk_rates`): the three GEMMs of a chunk of ``B`` rows against
-a block of ``MEASURE_CLASSES`` classes of a random weight (logits, input gradient, the
-weight gradient added into an accumulator, as the chunk loop issues them), for each
-candidate ``B`` of ``CANDIDATE_ROWS`` the memory budget allows and for both tile layouts,
-``MEASURE_ROUNDS`` interleaved rounds, the fastest of each (a busy machine only slows a
-GEMM down; interleaving gives every candidate the same slow spells). And the logits GEMM
-in a half dtype against fp32 (:func:`half_speedup`). The choices:
+a block of ``MEASURE_CLASSES`` classes per thread of a random weight (logits, input
+gradient, the weight gradient added into an accumulator, as the chunk loop issues them),
+for each candidate ``B`` of ``CANDIDATE_ROWS`` the memory budget allows and for both tile
+layouts, ``MEASURE_ROUNDS`` interleaved rounds, the fastest of each (a busy machine only
+slows a GEMM down; interleaving gives every candidate the same slow spells). And the
+logits GEMM in a half dtype against fp32 (:func:`half_speedup`). A measurement whose
+rounds disagree by more than ``NOISE_LIMIT``, or during which the process's threads ran
+less than ``MIN_BUSY`` of the time (other work had the cores), decides nothing and is
+not cached: the process takes the fallback below. The choices:
 
 - **rows per chunk** (:meth:`Tuning.rows`): the smallest candidate whose three GEMMs run
   within ``TOLERANCE`` of the best rate measured among the candidates the budget allows
@@ -104,6 +107,7 @@ __all__ = [
     "MEASURE_RATIO",
     "MEASURE_ROUNDS",
     "MEMORY_BUDGET_ENV",
+    "MIN_BUSY",
     "NOISE_LIMIT",
     "TILE_LAYOUT_ENV",
     "TOLERANCE",
@@ -111,6 +115,7 @@ __all__ = [
     "chunk_rates",
     "half_gemm_pays",
     "half_speedup",
+    "known_rates",
     "machine_info",
     "measured_rates",
     "memory_budget",
@@ -129,11 +134,11 @@ CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
 #: as long as a typical feature count and its rate flat, so larger chunks are taken as
 #: fast as 1024 rows (never measured, never preferred for speed alone).
 CANDIDATE_ROWS = (128, 192, 256, 384, 512, 768, 1024)
-#: Classes of the weight block the measurement multiplies: large enough that each GEMM
-#: runs for milliseconds (timer and thread start-up negligible), small enough that the
-#: measurement of the default budget's candidates costs ~1/20 of a step at N=2048,
-#: F=1024, V=32768.
-MEASURE_CLASSES = 1024
+#: Classes of the weight block the measurement multiplies, per thread (at least two):
+#: large enough that each GEMM runs for milliseconds on every thread (timer and thread
+#: start-up negligible), small enough that the measurement of the default budget's
+#: candidates costs ~1/16 of a step at N=2048, F=1024, V=32768 (2 threads: 1024 classes).
+MEASURE_CLASSES = 512
 #: Rows of the half-against-fp32 comparison.
 HALF_MEASURE_ROWS = 512
 #: Timed rounds per candidate, interleaved; the fastest round of each counts.
@@ -145,6 +150,12 @@ TOLERANCE = 0.04
 #: machine was busy): its choices fall back to the fixed rule in this process, and it is
 #: not written to the disk cache, so a later process measures again.
 NOISE_LIMIT = 0.05
+#: ... and so is one during which the process's threads ran less than this share of the
+#: wall time (``time.process_time`` over the wall time × threads): a machine busy with
+#: other work slows every round alike, so the rounds agree, but its rates are those of
+#: a share of the cores (2 threads among ~15 busy processes measured 10-30 GFLOP/s
+#: instead of 150-290, and small GEMMs lose more than large ones).
+MIN_BUSY = 0.8
 #: Measured choices are used by calls whose GEMMs take at least this many times the
 #: measurement's flops, so measuring (once per process, and none once cached) costs at most
 #: this fraction of one call.
@@ -153,7 +164,7 @@ MEASURE_RATIO = 8
 #: no slower, since they also save the fp32 copies of the weight's blocks.
 HALF_MIN_SPEEDUP = 1.0
 #: Bumped when what is measured changes; older cache files are then measured again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -260,18 +271,22 @@ def _can_measure(device: torch.device) -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+def _measure_classes() -> int:
+    return MEASURE_CLASSES * max(2, torch.get_num_threads())
+
+
 def worth_measuring(flops: float, features: int, cap: int) -> bool:
     """Whether a call of ``flops`` GEMM flops (``6·N·F·V`` for a training step) at ``features``
     pays for measuring the candidates up to ``cap`` rows in both layouts (the warm-up round
     included): at most ``1/MEASURE_RATIO`` of it."""
     rows = [b for b in CANDIDATE_ROWS if b <= cap] or [CANDIDATE_ROWS[0]]
-    cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * MEASURE_CLASSES for b in rows)
+    cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * _measure_classes() for b in rows)
     return flops >= MEASURE_RATIO * cost
 
 
 def _worth_half_measurement(flops: float, features: int) -> bool:
     """As :func:`worth_measuring`, for :func:`half_speedup` (one GEMM in two dtypes)."""
-    cost = (MEASURE_ROUNDS + 1) * 2 * 2 * HALF_MEASURE_ROWS * features * MEASURE_CLASSES
+    cost = (MEASURE_ROUNDS + 1) * 2 * 2 * HALF_MEASURE_ROWS * features * _measure_classes()
     return flops >= MEASURE_RATIO * cost
 
 
@@ -396,9 +411,11 @@ class _Store:
 
 
 def _steady(rates: list[float]) -> bool:
-    """Whether a measurement's rounds agreed (its last value, the spread, within
-    ``NOISE_LIMIT``): only such a measurement decides a choice or is written to disk."""
-    return rates[-1] <= 1 + NOISE_LIMIT
+    """Whether a measurement (its last two values: the spread of its rounds, the share of
+    the time its threads ran) was taken on a machine that let it run: rounds within
+    ``NOISE_LIMIT``, threads busy at least ``MIN_BUSY``. Only such a measurement decides a
+    choice or is written to disk."""
+    return rates[-2] <= 1 + NOISE_LIMIT and rates[-1] >= MIN_BUSY
 
 
 def _check(data: object, machine: dict) -> str | None:
@@ -459,15 +476,24 @@ def _layout_name(class_major: bool) -> str:
 
 
 class _Clock:
-    """Times of labelled operations over repeated rounds."""
+    """Times of labelled operations over repeated rounds, and how busy the process's
+    threads were meanwhile."""
 
     def __init__(self) -> None:
         self.times: dict[tuple, list[float]] = {}
+        self.wall = self.cpu = 0.0
 
     def time(self, label: tuple, fn) -> None:
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         fn()
-        self.times.setdefault(label, []).append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cpu += time.process_time() - cpu
+        self.wall += seconds
+        self.times.setdefault(label, []).append(seconds)
+
+    def busy(self) -> float:
+        """CPU time of the process over the wall time of the timed operations × threads."""
+        return self.cpu / max(self.wall * torch.get_num_threads(), 1e-9)
 
     def best(self, label: tuple) -> float:
         return min(self.times[label])
@@ -482,12 +508,13 @@ def chunk_rates(
     dtype: torch.dtype, features: int, rows: list[int], layouts: tuple[bool, ...] = (True, False)
 ) -> dict[tuple[int, bool], list[float]]:
     """Measure the three GEMMs of a chunk of each of ``rows`` rows in each layout
-    (``True``: class-major) against ``MEASURE_CLASSES`` classes, ``MEASURE_ROUNDS``
+    (``True``: class-major) against ``MEASURE_CLASSES`` classes per thread, ``MEASURE_ROUNDS``
     interleaved rounds after a warm-up round: ``(rows, class_major) -> [logits, input
     gradient, weight gradient, all three]`` in GFLOP/s (each the fastest round), then the
-    spread of the rounds of all three (:meth:`_Clock.spread`)."""
+    spread of the rounds of all three (:meth:`_Clock.spread`) and how busy the threads
+    were (:meth:`_Clock.busy`)."""
     gen = torch.Generator().manual_seed(0)
-    classes, most = MEASURE_CLASSES, max(rows)
+    classes, most = _measure_classes(), max(rows)
     weight = torch.randn(classes, features, generator=gen).to(dtype)
     x = torch.randn(most, features, generator=gen).to(dtype)
     grad_w = torch.zeros(classes, features, dtype=dtype)
@@ -523,17 +550,17 @@ def chunk_rates(
         ]
         first, second = sorted(rounds)[:2]
         result[(b, layout)] = [gflop / s for s in seconds] + [3 * gflop / sum(seconds)]
-        result[(b, layout)].append(second / first)
+        result[(b, layout)] += [second / first, clock.busy()]
     return result
 
 
 def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
-    """``[speedup, spread]``: the logits GEMM's rate in ``dtype`` over its fp32 rate,
-    ``HALF_MEASURE_ROWS`` rows against ``MEASURE_CLASSES`` classes, the fastest of
-    ``MEASURE_ROUNDS`` interleaved rounds after a warm-up; and the larger spread of the
-    two dtypes' rounds (:meth:`_Clock.spread`)."""
+    """``[speedup, spread, busy]``: the logits GEMM's rate in ``dtype`` over its fp32
+    rate, ``HALF_MEASURE_ROWS`` rows against the measurement's classes, the fastest of
+    ``MEASURE_ROUNDS`` interleaved rounds after a warm-up; the larger spread of the two
+    dtypes' rounds (:meth:`_Clock.spread`) and how busy the threads were."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(MEASURE_CLASSES, features, generator=gen)
+    weight = torch.randn(_measure_classes(), features, generator=gen)
     x = torch.randn(HALF_MEASURE_ROWS, features, generator=gen)
     operands = {d: (weight.to(d), x.to(d)) for d in (dtype, torch.float32)}
     for w, xd in operands.values():
@@ -544,7 +571,7 @@ def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
             w, xd = operands[d]
             clock.time((d,), lambda w=w, xd=xd: torch.mm(w, xd.T))
     speedup = clock.best((torch.float32,)) / clock.best((dtype,))
-    return [speedup, max(clock.spread((d,)) for d in operands)]
+    return [speedup, max(clock.spread((d,)) for d in operands), clock.busy()]
 
 
 def _quietly(fn, *args):
@@ -570,6 +597,24 @@ def measured_rates(dtype: torch.dtype, features: int, rows: list[int]) -> dict:
             _STORE.put({keys[case]: rates for case, rates in fresh.items()})
             known = _STORE.get(list(keys.values()))
     return {case: known[k] for case, k in keys.items()}
+
+
+def known_rates(dtype: torch.dtype, features: int) -> dict:
+    """What this process knows (measured or read from the disk cache) without measuring:
+    ``{"chunk": {(rows, class_major): [logits, grad input, grad weight, all three,
+    spread, busy]}, "half": [speedup, spread, busy] or None}`` for GEMMs in ``dtype`` at ``features``
+    (the half entry: ``dtype``'s GEMMs against fp32's)."""
+    keys = {
+        (b, layout): _key("chunk", dtype, features, _layout_name(layout), f"B{b}")
+        for b in CANDIDATE_ROWS
+        for layout in (True, False)
+    }
+    half_key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
+    known = _STORE.get([*keys.values(), half_key])
+    return {
+        "chunk": {case: known[k] for case, k in keys.items() if k in known},
+        "half": known.get(half_key),
+    }
 
 
 # ---------------------------------------------------------------------------------------
