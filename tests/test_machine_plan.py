@@ -34,6 +34,7 @@ ENV = (
     machine.CHUNK_ROWS_ENV,
     machine.TILE_LAYOUT_ENV,
     machine.CLASS_BLOCK_ENV,
+    machine.STEP_ROWS_ENV,
     "LINEAR_CE_NATIVE_HALF_GEMM",
 )
 
@@ -135,6 +136,7 @@ def test_memory_budget_scales_every_share(monkeypatch):
         (machine.CHUNK_ROWS_ENV, "0", "LINEAR_CE_CHUNK_ROWS must be a positive number of rows"),
         (machine.TILE_LAYOUT_ENV, "col", "LINEAR_CE_TILE_LAYOUT must be one of class-major"),
         (machine.CLASS_BLOCK_ENV, "x", "LINEAR_CE_CLASS_BLOCK must be a positive number"),
+        (machine.STEP_ROWS_ENV, "-2", "LINEAR_CE_STEP_ROWS must be a positive number"),
     ],
 )
 def test_bad_environment_values_are_clear_errors(monkeypatch, name, value, match):
@@ -215,6 +217,10 @@ def test_half_path_taken_where_it_measures_faster(monkeypatch, speedup, native):
     takes them regardless, ``0`` never (the flags are assumed here: no GEMM runs)."""
     monkeypatch.setattr("linear_ce.plan.native_half_gemm", lambda dtype, device: True)
     monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01, 0.9])
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    monkeypatch.setattr(
+        machine, "step_rates", lambda dtype, steps: {b: [1.0, 1.0, 1.0] for b in steps}
+    )
     plan = make_plan(*BIG, torch.float16, CPU, LinearCrossEntropyOptions())
     assert isinstance(plan.gemm, NativeHalf) is native
     assert isinstance(plan.gemm, BlockUpcast) is not native
@@ -252,6 +258,29 @@ def test_class_block_smallest_at_full_rate(monkeypatch):
     monkeypatch.setenv(machine.CLASS_BLOCK_ENV, "512")
     smaller = make_plan(1 << 20, 64, 32768, torch.float32, CPU, options, vocab_pass=True)
     assert smaller.classes_per_block == 512 and smaller.rows_per_chunk > plan.rows_per_chunk
+
+
+def test_half_tile_step_measured(monkeypatch):
+    """With native half GEMMs the half tile's fp32 math takes the largest step within
+    ``TOLERANCE`` of the fastest (16 rows here, at 32768 classes), as many bytes per step
+    at another vocabulary size; ``LINEAR_CE_STEP_ROWS`` forces it."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "process")
+    monkeypatch.setattr("linear_ce.plan.native_half_gemm", lambda dtype, device: True)
+    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [3.0, 1.01, 0.9])
+    speed = {4: 0.9, 8: 1.0, 16: 0.97, 32: 0.8, 64: 0.7}
+    monkeypatch.setattr(
+        machine, "step_rates", lambda dtype, steps: {b: [speed[b], 1.01, 0.95] for b in steps}
+    )
+    options = LinearCrossEntropyOptions()
+    plan = make_plan(*BIG, torch.bfloat16, CPU, options)
+    assert isinstance(plan.gemm, NativeHalf)
+    assert (plan.rows_per_chunk, plan.rows_per_step) == (1024, 16)
+    assert make_plan(2048, 1024, 65536, torch.bfloat16, CPU, options).rows_per_step == 8
+    monkeypatch.setenv(machine.STEP_ROWS_ENV, "4")
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).rows_per_step == 4
+    monkeypatch.delenv(machine.STEP_ROWS_ENV)
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).rows_per_step == 64
 
 
 # --- the cache ----------------------------------------------------------------------------
@@ -366,6 +395,7 @@ CHOICES = {
     "class-major": {machine.TILE_LAYOUT_ENV: "class-major", machine.CHUNK_ROWS_ENV: "64"},
     "upcast": {"LINEAR_CE_NATIVE_HALF_GEMM": "0", machine.TILE_LAYOUT_ENV: "row-major"},
     "native": {"LINEAR_CE_NATIVE_HALF_GEMM": "1"},
+    "native-step-4": {"LINEAR_CE_NATIVE_HALF_GEMM": "1", machine.STEP_ROWS_ENV: "4"},
     "budget-small": {machine.MEMORY_BUDGET_ENV: "0.05"},
 }
 
@@ -378,7 +408,8 @@ def test_every_choice_computes_the_same_result(monkeypatch, choice, dtype, softc
     a quarter of the rows ignored and a bias, against float64: within 3·eps of the dtype or
     twice the plain expression's own error in that dtype, whichever is larger (the bound
     of every test; the chunks change how the sums are split, so their rounding)."""
-    if choice == "native" and dtype != torch.float32 and not native_half_gemm(dtype, CPU):
+    native = choice.startswith("native")
+    if native and dtype != torch.float32 and not native_half_gemm(dtype, CPU):
         pytest.skip(f"no native {dtype} GEMMs on this CPU")
     for name, value in CHOICES[choice].items():
         monkeypatch.setenv(name, value)

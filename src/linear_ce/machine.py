@@ -29,6 +29,11 @@ not cached: the process takes the fallback below. The choices:
 - **tile layout** (:meth:`Tuning.class_major`): class-major (a ``(V, B)`` array used as its
   transpose, so the logits GEMM is ``W·xᵀ``) or row-major, whichever ran the three GEMMs
   faster at the chosen rows.
+- **half tile step** (:meth:`Tuning.step_rows`): with native half GEMMs the chunk's
+  logits live in a half tile whose fp32 math runs a step of rows at a time
+  (:mod:`linear_ce.chunked`); the step is the largest candidate of ``STEP_CANDIDATES``
+  within ``TOLERANCE`` of the fastest (:func:`step_rates`), scaled to the call's classes
+  (the same bytes per step: what fits a core's cache).
 - **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
   vocabulary pass before its rows are split into groups. A block of ``C`` classes against
   ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
@@ -65,6 +70,8 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   ``auto`` or unset: measured.
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
   classes per block; ``auto`` or unset: measured.
+- ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
+  measured.
 - ``LINEAR_CE_NATIVE_HALF_GEMM`` (:mod:`linear_ce.capability`): ``0`` forces the fp32
   path, ``1`` the native path wherever the flags allow it; ``auto`` or unset: measured.
 
@@ -109,6 +116,8 @@ __all__ = [
     "MEMORY_BUDGET_ENV",
     "MIN_BUSY",
     "NOISE_LIMIT",
+    "STEP_CANDIDATES",
+    "STEP_ROWS_ENV",
     "TILE_LAYOUT_ENV",
     "TOLERANCE",
     "Tuning",
@@ -119,8 +128,10 @@ __all__ = [
     "machine_info",
     "measured_rates",
     "memory_budget",
+    "step_rates",
     "tuning_for",
     "worth_measuring",
+    "worth_measuring_steps",
 ]
 
 MEASURE_ENV = "LINEAR_CE_MEASURE"
@@ -129,6 +140,7 @@ MEMORY_BUDGET_ENV = "LINEAR_CE_MEMORY_BUDGET"
 CHUNK_ROWS_ENV = "LINEAR_CE_CHUNK_ROWS"
 TILE_LAYOUT_ENV = "LINEAR_CE_TILE_LAYOUT"
 CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
+STEP_ROWS_ENV = "LINEAR_CE_STEP_ROWS"
 
 #: Chunk sizes measured. Above 1024 rows the weight-gradient GEMM's inner dimension is
 #: as long as a typical feature count and its rate flat, so larger chunks are taken as
@@ -141,6 +153,16 @@ CANDIDATE_ROWS = (128, 192, 256, 384, 512, 768, 1024)
 MEASURE_CLASSES = 512
 #: Rows of the half-against-fp32 comparison.
 HALF_MEASURE_ROWS = 512
+#: Rows per step of a half tile's fp32 math measured (:func:`step_rates`), at
+#: ``STEP_MEASURE_CLASSES`` classes; a call with ``V`` classes takes the best one's bytes.
+STEP_CANDIDATES = (4, 8, 16, 32, 64)
+STEP_MEASURE_CLASSES = 32768
+#: Rows of the half block stepped through per candidate and round.
+STEP_MEASURE_ROWS = 64
+#: What :func:`step_rates` costs, counted as GEMM flops that take as long (~40 ms of
+#: elementwise work on one Sapphire Rapids core, where its AMX bf16 GEMMs run ~600 GFLOP/s):
+#: the gate of :func:`worth_measuring_steps`.
+STEP_MEASURE_FLOPS = 25e9
 #: Timed rounds per candidate, interleaved; the fastest round of each counts.
 MEASURE_ROUNDS = 3
 #: A candidate within this share of the best measured rate is as good as the best (the
@@ -238,16 +260,24 @@ def _forced_rows() -> int | None:
     return int(text)
 
 
-def _forced_class_block() -> int | None:
-    text = os.environ.get(CLASS_BLOCK_ENV, "auto").strip() or "auto"
+def _forced_count(name: str, what: str) -> int | None:
+    text = os.environ.get(name, "auto").strip() or "auto"
     if text == "auto":
         return None
     if not text.isdigit() or int(text) < 1:
         raise ValueError(
-            f"{CLASS_BLOCK_ENV} must be a positive number of classes (forcing the vocabulary "
-            f"pass's fewest classes per block) or auto (measured, the default); got {text!r}"
+            f"{name} must be a positive number of {what} or auto (measured, the default); "
+            f"got {text!r}"
         )
     return int(text)
+
+
+def _forced_class_block() -> int | None:
+    return _forced_count(CLASS_BLOCK_ENV, "classes (forcing the vocabulary pass's block)")
+
+
+def _forced_step_rows() -> int | None:
+    return _forced_count(STEP_ROWS_ENV, "rows (forcing a half tile's step)")
 
 
 def _forced_layout() -> bool | None:
@@ -282,6 +312,11 @@ def worth_measuring(flops: float, features: int, cap: int) -> bool:
     rows = [b for b in CANDIDATE_ROWS if b <= cap] or [CANDIDATE_ROWS[0]]
     cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * _measure_classes() for b in rows)
     return flops >= MEASURE_RATIO * cost
+
+
+def worth_measuring_steps(flops: float) -> bool:
+    """As :func:`worth_measuring`, for the half tile's step rows (:func:`step_rates`)."""
+    return flops >= MEASURE_RATIO * STEP_MEASURE_FLOPS
 
 
 def _worth_half_measurement(flops: float, features: int) -> bool:
@@ -574,6 +609,43 @@ def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
     return [speedup, max(clock.spread((d,)) for d in operands), clock.busy()]
 
 
+def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
+    """Measure a half tile's fp32 math (:mod:`linear_ce.chunked`) a step of each of
+    ``steps`` rows at a time, over ``STEP_MEASURE_ROWS`` rows of ``STEP_MEASURE_CLASSES``
+    classes of ``dtype``: widen the step to fp32, row max, subtract, ``exp2``, row sums,
+    scale, write back (the passes a cross-entropy head makes). ``step -> [G elements/s,
+    spread, busy]``, the fastest of ``MEASURE_ROUNDS`` interleaved rounds after a warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    rows, classes = STEP_MEASURE_ROWS, STEP_MEASURE_CLASSES
+    half = (torch.randn(rows, classes, generator=gen) / 4).to(dtype)
+    tile = torch.empty(max(steps), classes)
+    stats = torch.empty(max(steps))
+
+    def pass_over(step: int) -> None:
+        for start in range(0, rows, step):
+            part = half[start : start + step]
+            u = tile[: part.shape[0]]
+            u.copy_(part)
+            row_max = u.amax(dim=1)
+            u.sub_(row_max[:, None])
+            torch.mul(u, 1.4426950408889634, out=u).exp2_()
+            torch.sum(u, dim=1, out=stats[: u.shape[0]])
+            u.div_(stats[: u.shape[0], None])
+            part.copy_(u)
+
+    for step in steps:
+        pass_over(step)
+    clock = _Clock()
+    for r in range(MEASURE_ROUNDS):
+        shift = r % len(steps)
+        for step in steps[shift:] + steps[:shift]:
+            clock.time((step,), lambda step=step: pass_over(step))
+    return {
+        step: [rows * classes / 1e9 / clock.best((step,)), clock.spread((step,)), clock.busy()]
+        for step in steps
+    }
+
+
 def _quietly(fn, *args):
     """``fn(*args)`` with no autocast or autograd around it (their dtypes and graphs are
     the caller's, not the measurement's)."""
@@ -602,7 +674,8 @@ def measured_rates(dtype: torch.dtype, features: int, rows: list[int]) -> dict:
 def known_rates(dtype: torch.dtype, features: int) -> dict:
     """What this process knows (measured or read from the disk cache) without measuring:
     ``{"chunk": {(rows, class_major): [logits, grad input, grad weight, all three,
-    spread, busy]}, "half": [speedup, spread, busy] or None}`` for GEMMs in ``dtype`` at ``features``
+    spread, busy]}, "half": [speedup, spread, busy] or None, "step": {rows: [G elements/s,
+    spread, busy]}}`` for GEMMs in ``dtype`` at ``features``
     (the half entry: ``dtype``'s GEMMs against fp32's)."""
     keys = {
         (b, layout): _key("chunk", dtype, features, _layout_name(layout), f"B{b}")
@@ -610,10 +683,12 @@ def known_rates(dtype: torch.dtype, features: int) -> dict:
         for layout in (True, False)
     }
     half_key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
-    known = _STORE.get([*keys.values(), half_key])
+    steps = {b: _key("step", dtype, 0, f"B{b}") for b in STEP_CANDIDATES}
+    known = _STORE.get([*keys.values(), half_key, *steps.values()])
     return {
         "chunk": {case: known[k] for case, k in keys.items() if k in known},
         "half": known.get(half_key),
+        "step": {b: known[k] for b, k in steps.items() if k in known},
     }
 
 
@@ -688,6 +763,31 @@ class Tuning:
         top = max(best.values())
         return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
 
+    def step_rows(self, classes: int, fallback: int) -> int:
+        """Rows per step of a half tile's fp32 math for ``classes`` classes:
+        ``LINEAR_CE_STEP_ROWS``, else the measured step of the largest size within
+        ``TOLERANCE`` of the fastest (at ``STEP_MEASURE_CLASSES`` classes; as many bytes per
+        step at ``classes``: the steps that stay in a core's cache), else ``fallback``."""
+        forced = _forced_step_rows()
+        if forced is not None:
+            return forced
+        if not (self.allowed and worth_measuring_steps(self.flops)):
+            return fallback
+        keys = {b: _key("step", self.dtype, 0, f"B{b}") for b in STEP_CANDIDATES}
+        with _STORE.lock:
+            known = _STORE.get(list(keys.values()))
+            missing = [b for b, k in keys.items() if k not in known]
+            if missing:
+                fresh = _quietly(step_rates, self.dtype, missing)
+                _STORE.put({keys[b]: rates for b, rates in fresh.items()})
+                known = _STORE.get(list(keys.values()))
+        rates = {b: known[k] for b, k in keys.items()}
+        if not all(_steady(r) for r in rates.values()):
+            return fallback
+        top = max(r[0] for r in rates.values())
+        best = max(b for b, r in rates.items() if r[0] >= (1 - TOLERANCE) * top)
+        return max(1, best * STEP_MEASURE_CLASSES // max(classes, 1))
+
     def _best_by_rows(self, rows: list[int]) -> dict[int, float] | None:
         """Each of ``rows``' rate in its faster layout; ``None`` if a measurement was unsteady."""
         rates = measured_rates(self.dtype, self.features, rows)
@@ -701,7 +801,7 @@ def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: f
     dimension ``features``) take ``flops``."""
     # Every override is read here, so a bad value is an error on any call, not only on
     # the calls whose plan consults it.
-    _forced_rows(), _forced_layout(), _forced_class_block()
+    _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows()
     allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
     return Tuning(allowed, dtype, features, float(flops))
 

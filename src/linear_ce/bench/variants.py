@@ -340,6 +340,10 @@ def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
             if rows <= max(fixed.rows_per_chunk, machine.CANDIDATE_ROWS[0])
         },
         "half_speedup": None if half is None else [round(v, 3) for v in half],
+        "step_rates": {
+            rows: [round(v, 3) for v in rates]
+            for rows, rates in sorted(machine.known_rates(dtype, 0)["step"].items())
+        },
     }
 
 
@@ -350,7 +354,11 @@ def _plan_fields(plan, rows: int) -> dict:
         "chunks": -(-rows // max(plan.rows_per_chunk, 1)),
         "rows_per_step": plan.rows_per_step,
         "layout": (
-            "half tile" if half_tile else "class-major" if plan.gemm.class_major else "row-major"
+            f"half tile, {plan.rows_per_step}-row steps"
+            if half_tile
+            else "class-major"
+            if plan.gemm.class_major
+            else "row-major"
         ),
         "gemm": type(plan.gemm).__name__,
         "weight_grad": plan.weight_grad,
