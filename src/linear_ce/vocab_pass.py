@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from linear_ce.chunked import Gradients, add_grad_input_rows, tiles_for
+from linear_ce.chunked import Gradients, add_grad_input_rows, tiles_for, without_autocast
 from linear_ce.losses.base import KnownStatsHead
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.plan import Plan, make_plan
@@ -82,6 +82,7 @@ def vocab_pass_gradients(
     )
 
 
+@without_autocast
 def run_vocab_pass(
     input: torch.Tensor,
     weight: torch.Tensor,
