@@ -346,10 +346,21 @@ def test_real_measurement_is_sane():
         rates = machine.measured_rates(torch.float32, 64, [128, 192])
     assert set(rates) == {(128, True), (128, False), (192, True), (192, False)}
     for values in rates.values():
-        assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values)
-        assert values[4] >= 1.0 and values[5] <= 1.5
+        # A spread is infinite where a busy machine stopped the measurement after one round.
+        assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values[:4])
+        assert values[4] >= 1.0 and 0 < values[5] <= 1.5
     speedup, spread, busy = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
     assert speedup > 0 and spread >= 1.0 and 0 < busy <= 1.5
+
+
+def test_a_busy_machine_stops_the_measurement_after_one_round(monkeypatch):
+    """Threads busy less than ``MIN_BUSY`` of the first round (here: always, the limit set
+    above 1) end the measurement there: one timed round, an infinite spread, unsteady."""
+    monkeypatch.setattr(machine, "MIN_BUSY", 2.0)
+    rates = machine._quietly(machine.chunk_rates, torch.float32, 32, [128, 192])
+    assert all(r[4] == math.inf and not machine._steady(r) for r in rates.values())
+    steps = machine._quietly(machine.step_rates, torch.bfloat16, [4, 8])
+    assert all(r[1] == math.inf for r in steps.values())
 
 
 # --- the same result under every choice ----------------------------------------------------

@@ -7,8 +7,9 @@ fp32 ones differ from one CPU to the next: a 2-core Zen 4 runs the three GEMMs o
 the weight-gradient GEMM there (116 against 160 GFLOP/s), and its fp16 GEMMs (AVX512-FP16,
 no AMX-FP16) run at about its fp32 rate while its bf16 ones (AMX) run several times faster.
 So :func:`linear_ce.plan.make_plan` asks this module, which answers from a short
-measurement of this machine's GEMMs at the call's shape class (its feature count and
-dtype), taken once per process and cached on disk per machine and torch version.
+measurement of this machine's GEMMs at the call's shape class (its feature count, at
+most ``MAX_MEASURE_FEATURES``, and dtype), taken once per process and cached on disk per
+machine and torch version.
 
 What is measured (:func:`chunk_rates`): the three GEMMs of a chunk of ``B`` rows against
 a block of ``MEASURE_CLASSES`` classes per thread of a random weight (logits, input
@@ -37,8 +38,8 @@ not cached: the process takes the fallback below. The choices:
 - **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
   vocabulary pass before its rows are split into groups. A block of ``C`` classes against
   ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
-  classes (the roles of rows and classes swap), so it is the smallest candidate within
-  ``TOLERANCE`` of the best rate of all of them.
+  classes (the roles of rows and classes swap), so it is the smallest candidate up to the
+  fixed rule's within ``TOLERANCE`` of the best rate among them.
 - **half path** (:func:`half_gemm_pays`): a CPU whose flags promise native fp16/bf16 GEMMs
   (:func:`linear_ce.capability.native_half_gemm`) takes them only if the measured half
   GEMM runs at least ``HALF_MIN_SPEEDUP`` times its fp32 rate; else the fp32 path.
@@ -109,6 +110,7 @@ __all__ = [
     "CHUNK_ROWS_ENV",
     "CLASS_BLOCK_ENV",
     "HALF_MIN_SPEEDUP",
+    "MAX_MEASURE_FEATURES",
     "MEASURE_CLASSES",
     "MEASURE_ENV",
     "MEASURE_RATIO",
@@ -151,6 +153,10 @@ CANDIDATE_ROWS = (128, 192, 256, 384, 512, 768, 1024)
 #: start-up negligible), small enough that the measurement of the default budget's
 #: candidates costs ~1/16 of a step at N=2048, F=1024, V=32768 (2 threads: 1024 classes).
 MEASURE_CLASSES = 512
+#: Feature counts above this are measured at it: the measurement's cost grows with them,
+#: the candidates' relative rates (what the choices use) change little (the weight
+#: gradient's inner dimension is the chunk's rows whatever the feature count).
+MAX_MEASURE_FEATURES = 1024
 #: Rows of the half-against-fp32 comparison.
 HALF_MEASURE_ROWS = 512
 #: Rows per step of a half tile's fp32 math measured (:func:`step_rates`), at
@@ -534,9 +540,19 @@ class _Clock:
         return min(self.times[label])
 
     def spread(self, label: tuple) -> float:
-        """The second-fastest time over the fastest: near 1 where the rounds agree."""
-        first, second = sorted(self.times[label])[:2]
-        return second / first
+        """The second-fastest time over the fastest: near 1 where the rounds agree
+        (infinite after one round)."""
+        times = sorted(self.times[label])
+        return times[1] / times[0] if len(times) > 1 else math.inf
+
+    def rounds(self, run_round) -> None:
+        """``run_round(r)`` for ``MEASURE_ROUNDS`` rounds, stopping after the first where
+        the threads were busy less than ``MIN_BUSY`` of it (the result is unsteady anyway:
+        on a busy machine the measurement costs one round, not all)."""
+        for r in range(MEASURE_ROUNDS):
+            run_round(r)
+            if self.busy() < MIN_BUSY:
+                return
 
 
 def chunk_rates(
@@ -571,11 +587,14 @@ def chunk_rates(
     for b, layout in cases:
         # A warm-up round: page faults, the BLAS's kernels and packing buffers.
         chunk(b, layout)
-    clock = _Clock()
-    for r in range(MEASURE_ROUNDS):
+
+    def run_round(r: int) -> None:
         shift = r % len(cases)
         for b, layout in cases[shift:] + cases[:shift]:
             chunk(b, layout)
+
+    clock = _Clock()
+    clock.rounds(run_round)
     result = {}
     for b, layout in cases:
         gflop = 2 * b * features * classes / 1e9
@@ -583,9 +602,10 @@ def chunk_rates(
         rounds = [
             sum(t) for t in zip(*(clock.times[(b, layout, g)] for g in range(3)), strict=True)
         ]
-        first, second = sorted(rounds)[:2]
+        rounds.sort()
+        spread = rounds[1] / rounds[0] if len(rounds) > 1 else math.inf
         result[(b, layout)] = [gflop / s for s in seconds] + [3 * gflop / sum(seconds)]
-        result[(b, layout)] += [second / first, clock.busy()]
+        result[(b, layout)] += [spread, clock.busy()]
     return result
 
 
@@ -600,11 +620,14 @@ def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
     operands = {d: (weight.to(d), x.to(d)) for d in (dtype, torch.float32)}
     for w, xd in operands.values():
         torch.mm(w, xd.T)
-    clock = _Clock()
-    for r in range(MEASURE_ROUNDS):
+
+    def run_round(r: int) -> None:
         for d in (dtype, torch.float32) if r % 2 else (torch.float32, dtype):
             w, xd = operands[d]
             clock.time((d,), lambda w=w, xd=xd: torch.mm(w, xd.T))
+
+    clock = _Clock()
+    clock.rounds(run_round)
     speedup = clock.best((torch.float32,)) / clock.best((dtype,))
     return [speedup, max(clock.spread((d,)) for d in operands), clock.busy()]
 
@@ -635,11 +658,14 @@ def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
 
     for step in steps:
         pass_over(step)
-    clock = _Clock()
-    for r in range(MEASURE_ROUNDS):
+
+    def run_round(r: int) -> None:
         shift = r % len(steps)
         for step in steps[shift:] + steps[:shift]:
             clock.time((step,), lambda step=step: pass_over(step))
+
+    clock = _Clock()
+    clock.rounds(run_round)
     return {
         step: [rows * classes / 1e9 / clock.best((step,)), clock.spread((step,)), clock.busy()]
         for step in steps
@@ -748,16 +774,18 @@ class Tuning:
         return rates[(b, True)][3] >= rates[(b, False)][3]
 
     def min_class_block(self, fallback: int) -> int:
-        """The vocabulary pass's fewest classes per block: the smallest candidate whose
-        GEMMs run within ``TOLERANCE`` of the best candidate's rate (a block of ``C``
-        classes issues a ``C``-row chunk's GEMM shapes), else ``fallback``;
+        """The vocabulary pass's fewest classes per block: the smallest candidate up to
+        ``fallback`` whose GEMMs run within ``TOLERANCE`` of the best of them (a block of
+        ``C`` classes issues a ``C``-row chunk's GEMM shapes: blocks no larger than the
+        fixed rule's, so rows are split into groups no sooner), else ``fallback``;
         ``LINEAR_CE_CLASS_BLOCK`` forces it."""
         forced = _forced_class_block()
         if forced is not None:
             return forced
-        if not self.measures(CANDIDATE_ROWS[-1]):
+        candidates = [b for b in CANDIDATE_ROWS if b <= fallback]
+        if len(candidates) < 2 or not self.measures(fallback):
             return fallback
-        best = self._best_by_rows(list(CANDIDATE_ROWS))
+        best = self._best_by_rows(candidates)
         if best is None:
             return fallback
         top = max(best.values())
@@ -798,12 +826,13 @@ class Tuning:
 
 def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: float) -> Tuning:
     """The :class:`Tuning` of a call on ``device`` whose GEMMs (operands ``dtype``, inner
-    dimension ``features``) take ``flops``."""
+    dimension ``features``) take ``flops``; measured at ``min(features,
+    MAX_MEASURE_FEATURES)`` features."""
     # Every override is read here, so a bad value is an error on any call, not only on
     # the calls whose plan consults it.
     _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows()
     allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
-    return Tuning(allowed, dtype, features, float(flops))
+    return Tuning(allowed, dtype, min(features, MAX_MEASURE_FEATURES), float(flops))
 
 
 def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flops: float) -> bool:
@@ -813,6 +842,7 @@ def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flop
     rate (measured once per process and machine); else (the fallback) yes."""
     if native_half_mode() == "1":
         return True
+    features = min(features, MAX_MEASURE_FEATURES)
     if not (dtype in _HALF and _can_measure(device) and _worth_half_measurement(flops, features)):
         return True
     key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
