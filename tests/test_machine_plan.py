@@ -35,6 +35,7 @@ ENV = (
     machine.CHUNK_ROWS_ENV,
     machine.TILE_LAYOUT_ENV,
     machine.CLASS_BLOCK_ENV,
+    machine.STEP_ROWS_ENV,
     "LINEAR_CE_NATIVE_HALF_GEMM",
 )
 
@@ -51,14 +52,14 @@ def clean(monkeypatch, tmp_path):
     machine._STORE.clear()
 
 
-def _synthetic(rate_of, spread=1.01):
+def _synthetic(rate_of, spread=1.01, busy=0.98):
     """A ``chunk_rates`` stand-in: ``rate_of(rows, class_major)`` GFLOP/s for all three GEMMs,
-    rounds agreeing within ``spread``; records the rows it was asked to measure."""
+    rounds agreeing within ``spread``, threads ``busy``; records the rows it measured."""
     asked = []
 
     def chunk_rates(dtype, features, rows, layouts=(True, False)):
         asked.append(list(rows))
-        return {(b, lay): [rate_of(b, lay)] * 4 + [spread] for b in rows for lay in layouts}
+        return {(b, lay): [rate_of(b, lay)] * 4 + [spread, busy] for b in rows for lay in layouts}
 
     chunk_rates.asked = asked
     return chunk_rates
@@ -136,6 +137,7 @@ def test_memory_budget_scales_every_share(monkeypatch):
         (machine.CHUNK_ROWS_ENV, "0", "LINEAR_CE_CHUNK_ROWS must be a positive number of rows"),
         (machine.TILE_LAYOUT_ENV, "col", "LINEAR_CE_TILE_LAYOUT must be one of class-major"),
         (machine.CLASS_BLOCK_ENV, "x", "LINEAR_CE_CLASS_BLOCK must be a positive number"),
+        (machine.STEP_ROWS_ENV, "-2", "LINEAR_CE_STEP_ROWS must be a positive number"),
     ],
 )
 def test_bad_environment_values_are_clear_errors(monkeypatch, name, value, match):
@@ -169,10 +171,12 @@ def test_layout_follows_the_faster_gemms(monkeypatch):
     assert plan.rows_per_chunk == 128  # every size equally fast: the smallest
 
 
-def test_unsteady_measurement_falls_back_and_is_not_cached(monkeypatch, tmp_path):
-    """Rounds that disagree by more than ``NOISE_LIMIT`` (a busy machine) decide nothing:
-    the fixed rule, and no cache file, so the next process measures again."""
-    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 50.0, spread=1.3)
+@pytest.mark.parametrize(("spread", "busy"), [(1.3, 0.98), (1.01, 0.3)], ids=["spread", "idle"])
+def test_unsteady_measurement_falls_back_and_is_not_cached(monkeypatch, tmp_path, spread, busy):
+    """Rounds that disagree by more than ``NOISE_LIMIT``, or threads that ran less than
+    ``MIN_BUSY`` of the time (a busy machine), decide nothing: the fixed rule, and no cache
+    file, so the next process measures again."""
+    fake = _synthetic(lambda b, lay: 100.0 if b == 128 else 50.0, spread=spread, busy=busy)
     monkeypatch.setattr(machine, "chunk_rates", fake)
     plan = _fp32_plan()
     assert (plan.rows_per_chunk, plan.gemm.class_major) == (256, True)
@@ -213,7 +217,11 @@ def test_half_path_taken_where_it_measures_faster(monkeypatch, speedup, native):
     at least ``HALF_MIN_SPEEDUP`` times fp32's rate; ``LINEAR_CE_NATIVE_HALF_GEMM=1``
     takes them regardless, ``0`` never (the flags are assumed here: no GEMM runs)."""
     monkeypatch.setattr("linear_ce.engine.plan.native_half_gemm", lambda dtype, device: True)
-    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01])
+    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [speedup, 1.01, 0.9])
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    monkeypatch.setattr(
+        machine, "step_rates", lambda dtype, steps: {b: [1.0, 1.0, 1.0] for b in steps}
+    )
     plan = make_plan(*BIG, torch.float16, CPU, LinearCrossEntropyOptions())
     assert isinstance(plan.gemm, NativeHalf) is native
     assert isinstance(plan.gemm, BlockUpcast) is not native
@@ -251,6 +259,29 @@ def test_class_block_smallest_at_full_rate(monkeypatch):
     monkeypatch.setenv(machine.CLASS_BLOCK_ENV, "512")
     smaller = make_plan(1 << 20, 64, 32768, torch.float32, CPU, options, vocab_pass=True)
     assert smaller.classes_per_block == 512 and smaller.rows_per_chunk > plan.rows_per_chunk
+
+
+def test_half_tile_step_measured(monkeypatch):
+    """With native half GEMMs the half tile's fp32 math takes the largest step within
+    ``TOLERANCE`` of the fastest (16 rows here, at 32768 classes), as many bytes per step
+    at another vocabulary size; ``LINEAR_CE_STEP_ROWS`` forces it."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "process")
+    monkeypatch.setattr("linear_ce.engine.plan.native_half_gemm", lambda dtype, device: True)
+    monkeypatch.setattr(machine, "half_speedup", lambda dtype, features: [3.0, 1.01, 0.9])
+    speed = {4: 0.9, 8: 1.0, 16: 0.97, 32: 0.8, 64: 0.7}
+    monkeypatch.setattr(
+        machine, "step_rates", lambda dtype, steps: {b: [speed[b], 1.01, 0.95] for b in steps}
+    )
+    options = LinearCrossEntropyOptions()
+    plan = make_plan(*BIG, torch.bfloat16, CPU, options)
+    assert isinstance(plan.gemm, NativeHalf)
+    assert (plan.rows_per_chunk, plan.rows_per_step) == (1024, 16)
+    assert make_plan(2048, 1024, 65536, torch.bfloat16, CPU, options).rows_per_step == 8
+    monkeypatch.setenv(machine.STEP_ROWS_ENV, "4")
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).rows_per_step == 4
+    monkeypatch.delenv(machine.STEP_ROWS_ENV)
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).rows_per_step == 64
 
 
 # --- the cache ----------------------------------------------------------------------------
@@ -308,17 +339,29 @@ def test_unwritable_cache_warns_once_and_measures_per_process(monkeypatch, tmp_p
 
 
 def test_real_measurement_is_sane():
-    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, both layouts,
-    under autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of
-    an fp32 ``out=`` would raise)."""
+    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, a busy share in
+    (0, 1.5] (a little over 1 where the BLAS has a helper thread), both layouts, under
+    autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of an fp32
+    ``out=`` would raise)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rates = machine.measured_rates(torch.float32, 64, [128, 192])
     assert set(rates) == {(128, True), (128, False), (192, True), (192, False)}
     for values in rates.values():
-        assert len(values) == 5 and all(math.isfinite(v) and v > 0 for v in values)
-        assert values[4] >= 1.0
-    speedup, spread = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
-    assert speedup > 0 and spread >= 1.0
+        # A spread is infinite where a busy machine stopped the measurement after one round.
+        assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values[:4])
+        assert values[4] >= 1.0 and 0 < values[5] <= 1.5
+    speedup, spread, busy = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
+    assert speedup > 0 and spread >= 1.0 and 0 < busy <= 1.5
+
+
+def test_a_busy_machine_stops_the_measurement_after_one_round(monkeypatch):
+    """Threads busy less than ``MIN_BUSY`` of the first round (here: always, the limit set
+    above 1) end the measurement there: one timed round, an infinite spread, unsteady."""
+    monkeypatch.setattr(machine, "MIN_BUSY", 2.0)
+    rates = machine._quietly(machine.chunk_rates, torch.float32, 32, [128, 192])
+    assert all(r[4] == math.inf and not machine._steady(r) for r in rates.values())
+    steps = machine._quietly(machine.step_rates, torch.bfloat16, [4, 8])
+    assert all(r[1] == math.inf for r in steps.values())
 
 
 # --- the same result under every choice ----------------------------------------------------
@@ -364,6 +407,7 @@ CHOICES = {
     "class-major": {machine.TILE_LAYOUT_ENV: "class-major", machine.CHUNK_ROWS_ENV: "64"},
     "upcast": {"LINEAR_CE_NATIVE_HALF_GEMM": "0", machine.TILE_LAYOUT_ENV: "row-major"},
     "native": {"LINEAR_CE_NATIVE_HALF_GEMM": "1"},
+    "native-step-4": {"LINEAR_CE_NATIVE_HALF_GEMM": "1", machine.STEP_ROWS_ENV: "4"},
     "budget-small": {machine.MEMORY_BUDGET_ENV: "0.05"},
 }
 
@@ -376,7 +420,8 @@ def test_every_choice_computes_the_same_result(monkeypatch, choice, dtype, softc
     a quarter of the rows ignored and a bias, against float64: within 3·eps of the dtype or
     twice the plain expression's own error in that dtype, whichever is larger (the bound
     of every test; the chunks change how the sums are split, so their rounding)."""
-    if choice == "native" and dtype != torch.float32 and not native_half_gemm(dtype, CPU):
+    native = choice.startswith("native")
+    if native and dtype != torch.float32 and not native_half_gemm(dtype, CPU):
         pytest.skip(f"no native {dtype} GEMMs on this CPU")
     for name, value in CHOICES[choice].items():
         monkeypatch.setenv(name, value)

@@ -1,14 +1,32 @@
-"""LinearCrossEntropyOptions (frozen, validated, readable) and the chunk-size rule it selects."""
+"""LinearCrossEntropyOptions (frozen, validated, readable) and what its chunk rules promise.
+
+The chunk rules are judged by their documented contract, never by sizes read off the
+code: a ``"budget"`` plan's ``(chunk, V)`` tiles fit the budget the rule states (unless
+the stated floor of efficient GEMM rows binds), ``"aspect_ratio"`` is torch's rule,
+``batch_chunk_size`` is taken as given, and every rule computes the same loss and
+gradients as the float64 plain expression. Which CPU path each setting takes, and that
+each computes the same result, is in ``tests/test_cpu_paths.py``; the measured transient
+memory of a call against the README's bounds in ``tests/test_memory_bounds.py``.
+"""
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import linear_ce
+from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
-from linear_ce.engine.capability import native_half_gemm
-from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, NativeHalf, SameDtype, Upcast
-from linear_ce.engine.plan import choose_chunk_rows, choose_vocab_blocks, make_plan
+from linear_ce.engine.plan import (
+    BUDGET_SHARE,
+    HALF_CPU_BUDGET_SHARE,
+    MIN_CLASS_BLOCK,
+    MIN_EFFICIENT_ROWS,
+    make_plan,
+)
 
 
 def test_defaults():
@@ -60,189 +78,169 @@ def test_valid_chunking_methods(method):
     assert LinearCrossEntropyOptions(chunking_method=method).chunking_method == method
 
 
-def _rows(rows, feat, classes, dtype=torch.float32, acc=None, tiles=1, **options):
-    return choose_chunk_rows(
-        rows, feat, classes, LinearCrossEntropyOptions(**options), dtype, acc or dtype, tiles
-    )
+CPU = torch.device("cpu")
+HALF = (torch.bfloat16, torch.float16)
+#: Shapes from one row to 64k, features 8 to 4096 (the efficient-rows floor binds at
+#: the small ones), vocabularies from 300 to Llama 3's 128256.
+SHAPES = list(itertools.product([1, 100, 2048, 65536], [8, 64, 1024, 4096], [300, 32000, 128256]))
 
 
-def test_explicit_batch_chunk_size():
-    assert _rows(1000, 64, 50_000, batch_chunk_size=37) == 37
-    assert _rows(1000, 64, 50_000, batch_chunk_size=37, chunking_method=None) == 37
-    assert _rows(20, 64, 50_000, batch_chunk_size=37) == 20  # never more than the rows
-    assert _rows(0, 64, 50_000, batch_chunk_size=37) == 1
-
-
-def test_no_chunking_is_one_chunk():
-    assert _rows(1000, 64, 50_000, chunking_method=None) == 1000
-
-
-def test_aspect_ratio_rule():
-    # ceil(50000/256) = 196 classes per feature; ceil(4096/196) = 21 -> next power of two 32.
-    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio") == 32
-    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio:4") == 8
-    assert _rows(4096, 256, 50_000, chunking_method="aspect_ratio:64") == 1  # at least one row
-    # V <= F: ratio 1, all 100 rows -> 128, clamped to the rows.
-    assert _rows(100, 512, 300, chunking_method="aspect_ratio") == 100
-    # ceil(128256/4096) = 32; 8192/32 = 256 exactly (already a power of two).
-    assert _rows(8192, 4096, 128_256, chunking_method="aspect_ratio") == 256
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_plan_share_by_path(monkeypatch, dtype, native):
-    """Half inputs on the non-native CPU path take the larger share (their gradients have
-    half the bytes, the scratch stays fp32). The native path keeps a half tile (the same
-    share at 2 bytes per logit) whose fp32 math runs 64 rows at a time. At 2048/1024/32768
-    both then have at most 4 chunks, so the weight gradient is summed in the result
-    itself and the split sum's plane (V·F bytes) goes to the chunks: 512 rows
-    (non-native; 256 without it) and 1056 evened out to 2 × 1024 (native; 544 without
-    it). fp32: 256 rows."""
-    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
-    plan = make_plan(2048, 1024, 32768, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
-    if dtype == torch.float32:
-        assert plan.rows_per_chunk == plan.rows_per_step == 256
-    elif isinstance(plan.gemm, BlockUpcast):
-        assert plan.rows_per_chunk == plan.rows_per_step == 512
-        assert plan.weight_grad == "direct"
-    else:
-        assert isinstance(plan.gemm, NativeHalf)
-        assert (plan.rows_per_chunk, plan.rows_per_step) == (1024, 64)
-        assert plan.weight_grad == "direct"
-    if native == "0" and dtype != torch.float32:
-        assert isinstance(plan.gemm, BlockUpcast)
-
-
-@pytest.mark.parametrize(
-    ("native", "rows", "chunk", "held"),
-    [
-        ("1", 4352, 1088, "direct"),  # 4 chunks with the plane's bytes
-        ("1", 4480, 576, "split"),  # 5 with them: the plane and half-share chunks
-        ("0", 2048, 512, "direct"),
-        ("0", 4096, 288, "split"),
-    ],
-)
-def test_direct_sum_at_most_four_chunks(monkeypatch, native, rows, chunk, held):
-    """``"auto"`` (``"balanced"``) on either CPU path: the weight gradient is summed in
-    the result itself exactly when the chunks planned without the split sum's plane
-    number at most ``DIRECT_SUM_MAX_CHUNKS`` (4); else split, with chunks of the plain share."""
-    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
-    plan = make_plan(
-        rows, 1024, 32768, torch.bfloat16, torch.device("cpu"), LinearCrossEntropyOptions()
-    )
-    if native == "1" and not isinstance(plan.gemm, NativeHalf):
-        pytest.skip("this CPU has no native bf16 GEMMs")
-    assert (plan.rows_per_chunk, plan.weight_grad) == (chunk, held)
-    assert plan.weight_grad_dtype == (torch.bfloat16 if held == "direct" else torch.float32)
-
-
-def _blocks(rows, features, classes, bytes_per_logit=4, bytes_per_row=0, **options):
-    return choose_vocab_blocks(
+def _plan(rows, features, classes, dtype, tiles=1, vocab_pass=False, **options):
+    return make_plan(
         rows,
         features,
         classes,
+        dtype,
+        CPU,
         LinearCrossEntropyOptions(**options),
-        torch.float32,
-        torch.float32,
-        bytes_per_logit,
-        bytes_per_row,
+        tiles=tiles,
+        vocab_pass=vocab_pass,
     )
 
 
-def test_vocab_pass_rule():
-    # Gradients (2048 + 32768)·1024·4 B = 142 606 336 B; a quarter over all 2048 rows of
-    # 4-byte logits is 4352 classes (a multiple of 128).
-    assert _blocks(2048, 1024, 32_768) == (2048, 4352)
-    assert _blocks(2048, 1024, 32_768, bytes_per_logit=8) == (2048, 2176)
-    assert _blocks(2048, 1024, 32_768, chunking_method="budget:2") == (2048, 2176)
-    # 64k rows would leave 384 classes: rows go into groups sized for 512 classes,
-    # (98 304·1024·4 / 4) / (512·4) = 49 152 rows.
-    assert _blocks(65_536, 1024, 32_768) == (49_152, 512)
-    # Gathered rows (8 KiB of buffers per row) come out of the same budget:
-    # (35 651 584 − 2048·8192) / (2048·4) = 2304 classes.
-    assert _blocks(2048, 1024, 32_768, bytes_per_row=8192) == (2048, 2304)
-    # ... and size the groups when they would leave fewer than 512 classes:
-    # 100 663 296 // (512·4 + 8192) = 9830 rows -> 9824, then 513 classes -> 512.
-    assert _blocks(65_536, 1024, 32_768, bytes_per_row=8192) == (9824, 512)
-    # Tiny features: groups of at least 128 rows, blocks of at least 512 classes.
-    assert _blocks(2400, 8, 700) == (128, 512)
-    # Never more classes than the vocabulary; batch_chunk_size sets the groups.
-    assert _blocks(64, 1024, 300) == (64, 300)
-    assert _blocks(2048, 1024, 32_768, batch_chunk_size=100) == (100, 32_768)
-    assert _blocks(0, 1024, 300) == (1, 300)
+def _divisor(method: str) -> int:
+    return int(method.partition(":")[2] or 1)
 
 
-def test_budget_rule():
-    # Gradients (8192 + 32000)·4096·4 B = 658 505 728 B; a quarter is 164 626 432 B;
-    # a (1, 32000) fp32 row of scratch is 128 000 B -> 1286 rows, rounded down to a
-    # multiple of 32 for the GEMM -> 1280; evened out over its 7 chunks: 1171 -> 1184.
-    assert _rows(8192, 4096, 32_000) == 1184
-    assert _rows(8192, 4096, 32_000, chunking_method="budget") == 1184
-    # A budget that divides the rows evenly stays: 272 rows -> 256, 8 chunks of 256.
-    assert _rows(2048, 1024, 32_768) == 256
-    assert _rows(8192, 4096, 32_000, chunking_method="budget:2") == 640  # 643 rounded
-    assert _rows(8192, 4096, 32_000, tiles=2) == 640  # two scratch tiles (e.g. softcap)
-    # bf16 gradients with fp32 scratch: half the budget for the same row bytes.
-    assert _rows(8192, 4096, 32_000, dtype=torch.bfloat16, acc=torch.float32) == 640
-    # A budget under 32 rows is not rounded (to zero).
-    assert _rows(64, 16, 100_000, chunking_method="budget:128") == 1
-    # Budget below 128 rows: 128 for efficient GEMMs (here the budget gives 69).
-    assert _rows(4096, 256, 50_000) == 128
-    assert _rows(4096, 256, 50_000, chunking_method="budget:4") == 32
-    # Never more than the rows.
-    assert _rows(100, 4096, 32_000) == 100
-    assert _rows(0, 4096, 32_000) == 1
+@pytest.fixture(params=["1", "0"], ids=["detected", "forced-upcast"])
+def cpu_path(request, monkeypatch):
+    """Both CPU paths of half inputs: detected (native half GEMMs where the CPU has
+    them) and ``LINEAR_CE_NATIVE_HALF_GEMM=0``; the default memory budget."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", request.param)
+    monkeypatch.delenv("LINEAR_CE_MEMORY_BUDGET", raising=False)
+    return request.param
 
 
-def test_plan_resolves_policy_and_backend():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+def _budget_share(plan, rows, features, classes) -> float:
+    """The share of the gradients' bytes the plan's tiles may take, as documented in
+    :func:`linear_ce.engine.plan.make_plan`: ``BUDGET_SHARE``; ``HALF_CPU_BUDGET_SHARE`` for half
+    inputs summed in fp32 on a CPU (either path); plus the split sum's plane ``V·F``
+    half values where the weight gradient is instead held in the result itself."""
+    half_cpu = plan.input_dtype in HALF and plan.acc_dtype == torch.float32
+    share = HALF_CPU_BUDGET_SHARE if half_cpu and plan.policy != "accurate" else BUDGET_SHARE
+    if half_cpu and plan.policy == "balanced" and plan.weight_grad == "direct":
+        share += classes / ((rows + classes) * plan.input_dtype.itemsize)
+    return share
 
-    def plan(dtype, device, **options):
-        return make_plan(64, 16, 100, dtype, device, LinearCrossEntropyOptions(**options))
 
-    p = plan(torch.float32, cpu)
-    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, type(p.gemm)) == (
-        "accurate",
-        torch.float32,
-        torch.float32,
-        SameDtype,
-    )
-    p = plan(torch.bfloat16, cpu, acc_policy="accurate")
-    assert (p.policy, p.acc_dtype, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
-        "accurate",
-        torch.float32,
-        torch.float32,
-        "wide",
-        Upcast,
-    )
-    # "auto" for half inputs on a CPU: "balanced", native half GEMMs where the CPU has them,
-    # else the weight upcast in vocabulary blocks; an fp32 weight-gradient sum held split
-    # over more than DIRECT_SUM_MAX_CHUNKS chunks, in the result itself over fewer.
-    for dtype in (torch.bfloat16, torch.float16):
-        backend = NativeHalf if native_half_gemm(dtype, cpu) else BlockUpcast
-        for chunk, held, sum_dtype in [(4, "split", torch.float32), (16, "direct", dtype)]:
-            p = plan(dtype, cpu, batch_chunk_size=chunk)
-            assert (p.policy, p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
-                "balanced",
-                sum_dtype,
-                held,
-                backend,
-            )
-    p = plan(torch.float16, cpu, acc_policy="compact")
-    assert (p.weight_grad_dtype, p.weight_grad, type(p.gemm)) == (
-        torch.float16,
-        "direct",
-        NativeHalf if native_half_gemm(torch.float16, cpu) else BlockUpcast,
-    )
-    p = plan(torch.bfloat16, cpu, acc_dtype=torch.bfloat16)
-    assert (p.acc_dtype, type(p.gemm)) == (torch.bfloat16, SameDtype)
-    # CUDA: native half GEMMs with fp32 results, except for "accurate".
-    for policy, backend in [
-        ("accurate", Upcast),
-        ("auto", Upcast),
-        ("balanced", CudaOutDtype),
-        ("compact", CudaOutDtype),
-    ]:
-        assert type(plan(torch.bfloat16, cuda, acc_policy=policy).gemm) is backend
-    assert type(plan(torch.float32, cuda, acc_policy="compact").gemm) is SameDtype
-    assert plan(torch.float32, cpu, batch_chunk_size=7).rows_per_chunk == 7
+@pytest.mark.parametrize("method", ["auto", "budget:2", "budget:4"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tiles", [1, 2, 3])
+def test_budget_plan_fits_its_budget(cpu_path, method, dtype, tiles):
+    """The chunk loop's tiles (``tiles`` of ``(chunk, V)`` in the accumulation dtype, or
+    one half tile of 2 bytes per logit where native half GEMMs keep one) take at most the
+    stated share of the gradients' bytes ``(N + V)·F·itemsize``, divided by N for
+    ``"budget:N"``, unless the chunk is the stated floor of ``MIN_EFFICIENT_ROWS / N``
+    rows (or all rows)."""
+    divisor = _divisor(method)
+    for rows, features, classes in SHAPES:
+        plan = _plan(rows, features, classes, dtype, tiles, chunking_method=method)
+        chunk = plan.rows_per_chunk
+        assert 1 <= chunk <= max(rows, 1)
+        grads = (rows + classes) * features * dtype.itemsize
+        if plan.rows_per_step < chunk:  # a half tile, the fp32 math a step of rows at a time
+            tile_bytes = chunk * classes * dtype.itemsize
+        else:
+            tile_bytes = tiles * chunk * classes * plan.acc_dtype.itemsize
+        allowed = _budget_share(plan, rows, features, classes) * grads / divisor
+        floor = min(rows, MIN_EFFICIENT_ROWS // divisor)
+        assert tile_bytes <= allowed or chunk <= floor, (
+            f"{rows}x{features}x{classes}: {chunk} rows take {tile_bytes / grads:.3f} of the "
+            f"gradients' bytes, the budget {allowed / grads:.3f}"
+        )
+
+
+@pytest.mark.parametrize("method", ["auto", "budget:4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_pass_blocks_fit_the_budget(cpu_path, method, dtype):
+    """The vocabulary pass's ``(rows, C)`` tiles take at most ``BUDGET_SHARE / N`` of the
+    gradients' bytes, unless the stated floors bind: blocks of ``MIN_CLASS_BLOCK / N``
+    classes and groups of ``MIN_EFFICIENT_ROWS / N`` rows."""
+    divisor = _divisor(method)
+    for (rows, features, classes), tiles in itertools.product(SHAPES, (1, 2)):
+        plan = _plan(rows, features, classes, dtype, tiles, True, chunking_method=method)
+        group, block = plan.rows_per_chunk, plan.classes_per_block
+        assert 1 <= group <= max(rows, 1) and 1 <= block <= classes
+        grads = (rows + classes) * features * dtype.itemsize
+        tile_bytes = tiles * group * block * plan.acc_dtype.itemsize
+        at_floor = block <= min(classes, MIN_CLASS_BLOCK // divisor) or group <= min(
+            rows, MIN_EFFICIENT_ROWS // divisor
+        )
+        assert tile_bytes <= BUDGET_SHARE * grads / divisor or at_floor, (rows, features, classes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_smaller_budget_never_gives_longer_chunks(cpu_path, dtype):
+    for rows, features, classes in SHAPES:
+        chunks = [
+            _plan(rows, features, classes, dtype, chunking_method=m).rows_per_chunk
+            for m in ("budget", "budget:2", "budget:4", "budget:16")
+        ]
+        assert chunks == sorted(chunks, reverse=True), (rows, features, classes, chunks)
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 4, 64])
+def test_aspect_ratio_is_torchs_rule(divisor):
+    """torch's rule: the ``(chunk, V)`` logits about as many elements as the ``(N, F)``
+    input: ``chunk·N`` the power of two at or above ``ceil(rows / ceil(V / F))``, within
+    ``[1, rows]``."""
+    method = "aspect_ratio" if divisor == 1 else f"aspect_ratio:{divisor}"
+    for rows, features, classes in [*SHAPES, (4096, 256, 50_000), (100, 512, 300)]:
+        plan = _plan(rows, features, classes, torch.float32, chunking_method=method)
+        chunk = plan.rows_per_chunk
+        target = math.ceil(rows / math.ceil(classes / features))
+        power = 1 << (target - 1).bit_length()
+        assert chunk == max(1, min(power // divisor, rows)), (rows, features, classes, chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_chunk_size_is_taken_as_given(cpu_path, dtype):
+    for rows, size in [(1000, 37), (20, 37), (0, 37), (4096, 1), (4096, 4096)]:
+        for method in ("auto", None):
+            plan = _plan(rows, 64, 50_000, dtype, batch_chunk_size=size, chunking_method=method)
+            assert plan.rows_per_chunk == max(1, min(size, rows))
+    assert _plan(1000, 64, 50_000, torch.float32, chunking_method=None).rows_per_chunk == 1000
+
+
+def _training_step(options, dtype, x, W, t):
+    x, W = (a.to(dtype).requires_grad_() for a in (x, W))
+    loss = linear_ce.linear_cross_entropy(x, W, t, label_smoothing=0.1, options=options)
+    return [loss.detach(), *torch.autograd.grad(loss, [x, W])]
+
+
+def _plain_step(dtype, x, W, t):
+    x, W = (a.to(dtype).requires_grad_() for a in (x, W))
+    loss = F.cross_entropy(x @ W.T, t, label_smoothing=0.1)
+    return [loss.detach(), *torch.autograd.grad(loss, [x, W])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_chunk_rule_computes_the_plain_result(cpu_path, dtype):
+    """Each rule chooses other chunks (asserted: at least four different sizes, from
+    one chunk to 58); each gives the float64 plain expression's loss and
+    gradients within 3·eps(dtype), or twice the plain same-dtype expression's error
+    (its own rounding, measured here)."""
+    g = torch.Generator().manual_seed(7)
+    rows, features, classes = 400, 16, 300
+    x = torch.randn(rows, features, generator=g, dtype=torch.float64)
+    W = torch.randn(classes, features, generator=g, dtype=torch.float64) / 2
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[::7] = -100
+    exact = _plain_step(torch.float64, x.to(dtype), W.to(dtype), t)
+    plain = _plain_step(dtype, x, W, t)
+    bounds = [max(3 * eps(dtype), 2 * rel_err(p, e)) for p, e in zip(plain, exact, strict=True)]
+    rules = [
+        {"chunking_method": None},
+        {"chunking_method": "auto"},
+        {"chunking_method": "budget:4"},
+        {"chunking_method": "aspect_ratio:2"},
+        {"batch_chunk_size": 7},
+    ]
+    sizes = set()
+    for rule in rules:
+        options = LinearCrossEntropyOptions(**rule)
+        sizes.add(make_plan(rows, features, classes, dtype, CPU, options).rows_per_chunk)
+        got = _training_step(options, dtype, x, W, t)
+        for name, a, e, bound in zip(("loss", "grad_x", "grad_W"), got, exact, bounds, strict=True):
+            assert rel_err(a, e) <= bound, (rule, name, rel_err(a, e), bound)
+    assert len(sizes) >= 4, sizes

@@ -23,7 +23,7 @@ import sequence_formula as ref
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.engine.plan import DIRECT_SUM_MAX_CHUNKS, make_plan
-from linear_ce.ops.sequence_objective import _no_direct_sum_overflow
+from linear_ce.ops.sequence_objective import GROUP_BUDGET_SHARE, _no_direct_sum_overflow
 
 P, T, FEAT, V = 3, 12, 8, 41
 S = 2 * P
@@ -635,3 +635,67 @@ def test_random_packed_layouts_and_groups(case):
     assert rel_err(out.loss, want) <= bound
     for got, w in zip(grads, want_grads, strict=True):
         assert rel_err(got, w) <= bound
+
+
+@pytest.mark.parametrize(("length", "passes"), [(300, 3.0), (600, 4.0)])
+def test_chunks_grow_to_hold_a_group_within_the_group_share(length, passes):
+    """The budget rule plans chunks of 256 rows here; a chunk may grow to hold a group of
+    300 tokens (its tiles within GROUP_BUDGET_SHARE of the gradients' bytes: up to 512
+    rows), not one of 600, which takes the four-GEMM path."""
+    rows, feat, classes = 2048, 32, 64
+    plans = [
+        make_plan(
+            rows,
+            feat,
+            classes,
+            torch.float64,
+            torch.device("cpu"),
+            LinearCrossEntropyOptions(),
+            share=share,
+            half_tile=False,
+        ).rows_per_chunk
+        for share in (None, GROUP_BUDGET_SHARE)
+    ]
+    assert plans == [256, 512]
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, feat, generator=g, dtype=torch.float64)
+    W = torch.randn(classes, feat, generator=g, dtype=torch.float64)
+    t = torch.randint(0, classes, (rows,), generator=g)
+    cu = torch.arange(0, rows + 1, length)
+    leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    with ref.GemmWork() as work:
+        out = linear_ce.sequence_objective(
+            *leaves, t, lambda b: -b.logprob / b.length, cu_seqlens=cu
+        )
+        grads = torch.autograd.grad(out.loss, leaves)
+    scored = int(cu[-1])
+    assert work.passes(scored, classes, feat) == passes
+    rx, rW = x.clone().requires_grad_(), W.clone().requires_grad_()
+    lp = torch.log_softmax(rx @ rW.T, -1).gather(-1, t[:, None])[:scored, 0]
+    want = -lp.view(-1, length).mean(1).mean()
+    want_grads = torch.autograd.grad(want, [rx, rW])
+    bound = 16 * eps(torch.float64)  # as test_matches_plain_formula
+    assert rel_err(out.loss, want) <= bound
+    for got, w in zip(grads, want_grads, strict=True):
+        assert rel_err(got, w) <= bound
+
+
+def test_compiles_with_a_graph_break_around_the_call():
+    d = _data(13)
+    x, W, refs = d["x"].float(), d["W"].float(), d["ref"].float()
+
+    def step(x, W):
+        out = linear_ce.sequence_objective(
+            torch.tanh(x), W, d["t"], obj.dpo(0.1), group="pairs", shift=1, ref_logprob=refs
+        )
+        return out.loss * 2
+
+    leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    got = torch.compile(step, backend="aot_eager")(*leaves)
+    got.backward()
+    ref_leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+    step(*ref_leaves).backward()
+    # The same computation on both sides of the graph break: equal to a few roundings.
+    assert rel_err(got, step(*ref_leaves).detach()) <= 3 * eps(torch.float32)
+    for a, r in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(a.grad, r.grad) <= 3 * eps(torch.float32)

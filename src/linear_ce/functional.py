@@ -14,10 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import Call, check_call, with_scales
+from linear_ce.checks.call import Call, Caller, check_call, check_scale, with_scales
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.engine.plan import reported_dtype
-from linear_ce.engine.transform import check_scales
 from linear_ce.losses.cross_entropy import mean_denominator
 from linear_ce.ops.cross_entropy import (
     SCHEMA,
@@ -74,7 +73,8 @@ def _checked(name: str, num_classes: int | None, **arguments: Any) -> Call:
         name=name,
     )
     logit_scale, temperature = arguments["logit_scale"], arguments["temperature"]
-    check_scales(name, logit_scale, temperature)
+    check_scale(Caller(name), "logit_scale", logit_scale)
+    check_scale(Caller(name), "temperature", temperature)
     return with_scales(call, logit_scale, temperature)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linear_ce.checks.call import check_call
-from linear_ce.engine.transform import LogitTransform, check_scales
+from linear_ce.checks.call import Caller, check_call, check_scale
+from linear_ce.engine.transform import LogitTransform
 from linear_ce.outputs import LinearCrossEntropyOutput
 
 __all__ = ["linear_cross_entropy"]
@@ -66,7 +66,9 @@ def linear_cross_entropy(
         shift=shift,
         token_weight=token_weight,
     )
-    check_scales("linear_cross_entropy", logit_scale, temperature)
+    caller = Caller("linear_cross_entropy")
+    check_scale(caller, "logit_scale", logit_scale)
+    check_scale(caller, "temperature", temperature)
     transform = LogitTransform(logit_scale, call.softcap, temperature)
     rows, positions = call.input.shape[0], call.linear_weight.shape[1]
     num_classes = call.linear_weight.shape[0]

@@ -169,10 +169,11 @@ def sequence_objective(
     group id per sequence ``(S,)``. A group's sequences reach the objective together, in
     their order (chosen first).
 
-    Where one group has more scored tokens than a chunk may hold (the plan's chunk size,
-    :class:`LinearCrossEntropyOptions`), the call takes a four-GEMM path: a statistics
-    pass, the objective on every group, then the vocabulary pass; same results, no
-    ``(N, V)`` tensor.
+    Groups are packed into chunks of the plan's size (:class:`LinearCrossEntropyOptions`;
+    under the budget rule a chunk grows to hold the longest group while its tiles take at
+    most half the gradients' bytes). Where one group has more scored tokens than a chunk may
+    hold, the call takes a four-GEMM path: a statistics pass, the objective on every group,
+    then the vocabulary pass; same results, no ``(N, V)`` tensor.
 
     Args:
         input, linear_weight, target, linear_bias, ignore_index, shift, temperature,

@@ -185,7 +185,8 @@ def token_logprobs(
     gradient that does not flow); the backward recomputes the logits a block of the
     vocabulary at a time, from the forward's per-row statistics.
     ``log_sum_sq_prob`` and ``mean_logit`` are statistics without a gradient (as
-    ``top1``): differentiating them is an error.
+    ``top1``): differentiating one, alone or inside a loss, raises a ``RuntimeError`` in
+    backward (use ``.detach()`` where it enters a loss).
     Tokens whose target is ``ignore_index`` take part in no GEMM; their outputs are
     ``0`` / ``False`` and their gradient is zero.
 

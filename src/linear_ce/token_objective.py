@@ -195,7 +195,13 @@ def token_objective(
     :func:`linear_ce.token_logprobs` (same transform: ``logit_scale``, ``softcap``,
     ``temperature``). The objective applies any normalisation itself, e.g. through a
     per-token ``weight`` side input. Gradients flow to ``input``, ``linear_weight``
-    and ``linear_bias``; side inputs are data and get none.
+    and ``linear_bias``; side inputs are data and get none. The objective is
+    differentiated with respect to ``logprob`` and ``entropy`` only: one whose result
+    depends on another tensor that requires grad (one it closes over) is a
+    ``ValueError``; apply a learnable factor outside the call instead. A NaN in the
+    hidden state or a side input propagates to the loss and to the gradient rows it
+    touches, as in plain autograd; under ``torch.no_grad()`` the objective runs
+    without autograd.
 
     Args:
         input, linear_weight, target, linear_bias, ignore_index, shift, temperature,

@@ -117,8 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _title(meta: dict) -> str:
     info = meta["machine"]
+    flags = info.get("cpu_flags")
+    settings = info.get("settings")
     return (
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
+        f"{info['cpu']}, {info['cores']} cores"
+        + (f" ({' '.join(flags) or 'no AVX2/AVX-512/AMX'})" if flags is not None else "")
+        + f", torch {info['torch']}"
+        + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")
         + (f", {info['gpu']}" if meta["device"] == "cuda" and "gpu" in info else "")
         + f"; median of {meta['repeats']} interleaved repeats"
     )

@@ -21,7 +21,7 @@ import torch
 
 from linear_ce.bench.config import Point
 from linear_ce.bench.runner import Measured
-from linear_ce.bench.variants import VARIANTS, own_floor_variant, reference_variant
+from linear_ce.bench.variants import VARIANTS, own_floor_variant, plan_note, reference_variant
 
 __all__ = [
     "COLORS",
@@ -51,6 +51,8 @@ class Row:
     peak_ratio: float | None
     note: str
     own_ratio: float | None = None
+    #: What the variant's plan chose (:func:`linear_ce.bench.variants.describe_plan`).
+    plan: dict | None = None
 
 
 def _paired_ratio(times: list[float], ref: list[float]) -> float | None:
@@ -68,7 +70,7 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
         kind = VARIANTS[name].kind
         reference = reference_variant(point, kind)
         ref = measured.get(reference)
-        note = m.unavailable or m.error or ""
+        note = m.unavailable or m.error or plan_note(m.plan)
         if not m.seconds:
             rows.append(Row(name, kind, reference, None, None, None, None, note or "no samples"))
             continue
@@ -85,6 +87,7 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
                 peak_ratio=peak / point.grad_bytes,
                 note=note,
                 own_ratio=_paired_ratio(m.seconds, own.seconds) if own is not None else None,
+                plan=m.plan,
             )
         )
     return rows
@@ -272,22 +275,19 @@ def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, t
 
 
 def machine() -> dict:
-    """CPU model, cores, torch version, GPU name where one is present."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    """CPU model, the CPU features the plan's choices depend on, cores, torch version, the
+    ``LINEAR_CE_*`` settings of the run, GPU name where one is present."""
+    from linear_ce.engine.machine import machine_info
+
+    own = machine_info()
     info = {
-        "cpu": model,
+        "cpu": own["cpu"],
+        "cpu_flags": own["flags"],
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LINEAR_CE_")},
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -30,6 +30,8 @@ class Measured:
     peak_bytes: list[int] = dataclasses.field(default_factory=list)
     unavailable: str | None = None
     error: str | None = None
+    #: What the variant's plan chose (rows, layout, measured rates), asked after the warm-up.
+    plan: dict | None = None
 
 
 class _Worker:
@@ -106,6 +108,9 @@ def run_points(
                 advance(f"{point.label}: {name} warm-up", 1)
                 if "error" in answer:
                     measured[name].error = answer["error"]
+                    continue
+                answer = workers[name].ask({"op": "plan"})
+                measured[name].plan = answer.get("plan")
             for r in range(repeats):
                 shift = r % max(len(live), 1)
                 for name in live[shift:] + live[:shift]:

@@ -26,9 +26,11 @@ __all__ = [
     "SWEEP_ONLY",
     "VARIANTS",
     "Variant",
+    "describe_plan",
     "make_inputs",
     "measured_at",
     "own_floor_variant",
+    "plan_note",
     "reference_variant",
 ]
 
@@ -47,6 +49,8 @@ class Variant:
     description: str
     #: The point heads (:data:`linear_ce.bench.config.HEADS`) the variant is measured at.
     heads: tuple[str, ...] = ("ce",)
+    #: What the variant's plan chose at a point (:func:`describe_plan`), for the report.
+    describe: Callable[[Point], dict] | None = None
 
 
 def _native(point: Point) -> bool:
@@ -301,6 +305,94 @@ def _linear_ce(acc_policy: str | None) -> Callable:
     return loss
 
 
+def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
+    """The plan ``linear_ce.linear_cross_entropy`` makes at ``point`` (no softcap, default
+    options but ``acc_policy``; one tile, with or without gradients), the fixed rule's
+    plan (``LINEAR_CE_MEASURE=0``) next to it, and the measured rates the choice was made
+    from (:mod:`linear_ce.engine.machine`; asked in the worker after the warm-up call, so nothing
+    is measured again). ``chunk_rates``: GFLOP/s of the three GEMMs of a chunk (logits,
+    input gradient, weight gradient, all three), the spread of their rounds and how busy
+    the threads were, by rows and layout, for the sizes up to the fixed rule's."""
+    import os
+
+    from linear_ce import LinearCrossEntropyOptions, machine
+    from linear_ce.engine.plan import make_plan
+
+    dtype, device = point.torch_dtype, torch.device(point.device)
+    options = LinearCrossEntropyOptions(acc_policy=acc_policy)
+    plan = make_plan(point.N, point.D, point.V, dtype, device, options)
+    saved = os.environ.get(machine.MEASURE_ENV)
+    os.environ[machine.MEASURE_ENV] = "0"
+    try:
+        fixed = make_plan(point.N, point.D, point.V, dtype, device, options)
+    finally:
+        if saved is None:
+            del os.environ[machine.MEASURE_ENV]
+        else:
+            os.environ[machine.MEASURE_ENV] = saved
+    known = machine.known_rates(plan.gemm.operand_dtype, point.D)
+    half = machine.known_rates(dtype, point.D)["half"] if dtype in HALF_DTYPES else None
+    return {
+        **_plan_fields(plan, point.N),
+        "fixed_rule": _plan_fields(fixed, point.N),
+        "chunk_rates": {
+            f"{rows} {'class' if major else 'row'}": [round(v, 3) for v in rates]
+            for (rows, major), rates in sorted(known["chunk"].items())
+            if rows <= max(fixed.rows_per_chunk, machine.CANDIDATE_ROWS[0])
+        },
+        "half_speedup": None if half is None else [round(v, 3) for v in half],
+        "step_rates": {
+            rows: [round(v, 3) for v in rates]
+            for rows, rates in sorted(machine.known_rates(dtype, 0)["step"].items())
+        },
+    }
+
+
+def _plan_fields(plan, rows: int) -> dict:
+    half_tile = plan.rows_per_step < plan.rows_per_chunk
+    return {
+        "rows_per_chunk": plan.rows_per_chunk,
+        "chunks": -(-rows // max(plan.rows_per_chunk, 1)),
+        "rows_per_step": plan.rows_per_step,
+        "layout": (
+            f"half tile, {plan.rows_per_step}-row steps"
+            if half_tile
+            else "class-major"
+            if plan.gemm.class_major
+            else "row-major"
+        ),
+        "gemm": type(plan.gemm).__name__,
+        "weight_grad": plan.weight_grad,
+    }
+
+
+def plan_note(plan: dict | None) -> str:
+    """A line of the table about a plan from :func:`describe_plan`: its chunks, tile layout
+    and GEMM backend, the fixed rule's where they differ, and the measured rates (the
+    faster layout's, by rows) where a steady measurement is known."""
+    if not plan:
+        return ""
+
+    def short(p: dict) -> str:
+        return f"{p['chunks']}×{p['rows_per_chunk']} rows, {p['layout']}, {p['gemm']}"
+
+    text = short(plan)
+    if short(plan["fixed_rule"]) != text:
+        text += f" (fixed rule: {short(plan['fixed_rule'])})"
+    rates = plan["chunk_rates"]
+    if rates:
+        best: dict[int, float] = {}
+        for key, r in rates.items():
+            rows = int(key.split()[0])
+            best[rows] = max(best.get(rows, 0.0), r[3])
+        text += "; GFLOP/s " + " ".join(f"{b}:{best[b]:.0f}" for b in sorted(best))
+        if not all(r[-2] <= 1.05 and r[-1] >= 0.8 for r in rates.values()):
+            text += " (unsteady: not used)"
+    if plan["half_speedup"]:
+        text += f"; half/fp32 GEMM {plan['half_speedup'][0]:.2f}×"
+    return text
+
+
 def _forward(loss_fn: Callable) -> Build:
     def build(x, w, t):
         xd, wd = x.detach(), w.detach()
@@ -412,7 +504,12 @@ VARIANTS: dict[str, Variant] = {
             "torch's linear_cross_entropy, 512-row chunks",
         ),
         Variant(
-            "linear_ce", "train", _train(_linear_ce(None)), _always, "linear_ce, default options"
+            "linear_ce",
+            "train",
+            _train(_linear_ce(None)),
+            _always,
+            "linear_ce, default options",
+            describe=describe_plan,
         ),
         *[
             Variant(
@@ -421,6 +518,7 @@ VARIANTS: dict[str, Variant] = {
                 _train(_linear_ce(policy)),
                 _always,
                 f"linear_ce, acc_policy={policy!r}",
+                describe=lambda point, policy=policy: describe_plan(point, policy),
             )
             for policy in ("accurate", "balanced", "compact")
         ],
@@ -451,6 +549,7 @@ VARIANTS: dict[str, Variant] = {
             _forward(_linear_ce(None)),
             _always,
             "linear_ce forward only, no gradients",
+            describe=describe_plan,
         ),
         Variant(
             "logprobs-plain",

@@ -2,7 +2,9 @@
 
 Commands, one JSON object a line: ``{"op": "setup", "point": {...}}`` builds
 the inputs and the call; ``{"op": "run"}`` measures one call and answers
-``{"seconds": s, "peak_bytes": b}``; ``{"op": "free"}`` drops the inputs.
+``{"seconds": s, "peak_bytes": b}``; ``{"op": "plan"}`` answers ``{"plan": {...}}``,
+what the variant's plan chose (``None`` for variants without one); ``{"op": "free"}``
+drops the inputs.
 Any failure is answered ``{"error": "..."}`` and the worker keeps serving.
 Started by :mod:`linear_ce.bench.runner` as ``python -m linear_ce.bench.worker NAME``.
 """
@@ -44,6 +46,9 @@ def serve(name: str, commands, answers) -> None:
                     raise RuntimeError("run before a successful setup")
                 sample = measure(call, device)
                 answer = {"seconds": sample.seconds, "peak_bytes": sample.peak_bytes}
+            elif op == "plan":
+                describe = variant.describe
+                answer = {"plan": None if describe is None or call is None else describe(point)}
             elif op == "free":
                 call = None
                 answer = {"ok": True}

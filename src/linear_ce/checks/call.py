@@ -1,7 +1,8 @@
 """Argument checking and shape normalisation shared by every entry point.
 
 Everything here runs before any arithmetic: a bad call fails with a message
-that names the argument, what it got and what was expected.
+that starts with the public function the user called and names the argument (as
+that function calls it, see :class:`Caller`), what it got and what was expected.
 
 Each check covers one concern (tensor types and devices, scalar options, shapes
 and the K dimensions, targets, class and token weights) so that an entry point

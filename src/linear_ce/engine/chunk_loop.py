@@ -33,10 +33,12 @@ first statistics are combined, and combined over shards in a second round.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -58,6 +60,7 @@ __all__ = [
     "run_chunks",
     "run_head",
     "tiles_for",
+    "without_autocast",
 ]
 
 #: Elements of the block of ``eᵘ`` formed at a time when no second tile is kept (512 KiB
@@ -122,6 +125,33 @@ class Companion:
     gemm: Gemm
 
 
+_Run = TypeVar("_Run", bound=Callable[..., "Gradients"])
+
+
+def without_autocast(run: _Run) -> _Run:
+    """``run(input, ...)`` with autocast off on ``input``'s device.
+
+    The plan decides each GEMM's operand and result dtypes; a caller's ``torch.autocast``
+    would otherwise run the products written as ``a @ b`` (:meth:`Gemm.product`) in its half
+    dtype: under bf16 autocast, bf16 inputs without native bf16 GEMMs got a weight gradient
+    summed from bf16-rounded products (3.8e-3 from the same call without autocast, 2-core
+    Sapphire Rapids with ``LINEAR_CE_NATIVE_HALF_GEMM=0``).
+    """
+
+    @functools.wraps(run)
+    def wrapped(input: torch.Tensor, *args, **kwargs):
+        device = input.device.type
+        off = (
+            torch.autocast(device, enabled=False)
+            if torch.amp.is_autocast_available(device)
+            else contextlib.nullcontext()
+        )
+        with off:
+            return run(input, *args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
+
+
 def keeps_second_tile(keeps_logits: bool, want_grads: bool, companion: bool) -> bool:
     """Whether the loop holds ``eᵘ`` in a tile of its own next to ``u``: for a head that
     keeps ``u`` (``keeps_logits``) when it forms a gradient, or reads a companion's tile
@@ -142,6 +172,7 @@ def tiles_for(
     )
 
 
+@without_autocast
 def run_chunks(
     input: torch.Tensor,
     weight: torch.Tensor,

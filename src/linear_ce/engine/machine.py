@@ -7,16 +7,20 @@ fp32 ones differ from one CPU to the next: a 2-core Zen 4 runs the three GEMMs o
 the weight-gradient GEMM there (116 against 160 GFLOP/s), and its fp16 GEMMs (AVX512-FP16,
 no AMX-FP16) run at about its fp32 rate while its bf16 ones (AMX) run several times faster.
 So :func:`linear_ce.engine.plan.make_plan` asks this module, which answers from a short
-measurement of this machine's GEMMs at the call's shape class (its feature count and
-dtype), taken once per process and cached on disk per machine and torch version.
+measurement of this machine's GEMMs at the call's shape class (its feature count, at
+most ``MAX_MEASURE_FEATURES``, and dtype), taken once per process and cached on disk per
+machine and torch version.
 
 What is measured (:func:`chunk_rates`): the three GEMMs of a chunk of ``B`` rows against
-a block of ``MEASURE_CLASSES`` classes of a random weight (logits, input gradient, the
-weight gradient added into an accumulator, as the chunk loop issues them), for each
-candidate ``B`` of ``CANDIDATE_ROWS`` the memory budget allows and for both tile layouts,
-``MEASURE_ROUNDS`` interleaved rounds, the fastest of each (a busy machine only slows a
-GEMM down; interleaving gives every candidate the same slow spells). And the logits GEMM
-in a half dtype against fp32 (:func:`half_speedup`). The choices:
+a block of ``MEASURE_CLASSES`` classes per thread of a random weight (logits, input
+gradient, the weight gradient added into an accumulator, as the chunk loop issues them),
+for each candidate ``B`` of ``CANDIDATE_ROWS`` the memory budget allows and for both tile
+layouts, ``MEASURE_ROUNDS`` interleaved rounds, the fastest of each (a busy machine only
+slows a GEMM down; interleaving gives every candidate the same slow spells). And the
+logits GEMM in a half dtype against fp32 (:func:`half_speedup`). A measurement whose
+rounds disagree by more than ``NOISE_LIMIT``, or during which the process's threads ran
+less than ``MIN_BUSY`` of the time (other work had the cores), decides nothing and is
+not cached: the process takes the fallback below. The choices:
 
 - **rows per chunk** (:meth:`Tuning.rows`): the smallest candidate whose three GEMMs run
   within ``TOLERANCE`` of the best rate measured among the candidates the budget allows
@@ -26,11 +30,16 @@ in a half dtype against fp32 (:func:`half_speedup`). The choices:
 - **tile layout** (:meth:`Tuning.class_major`): class-major (a ``(V, B)`` array used as its
   transpose, so the logits GEMM is ``W·xᵀ``) or row-major, whichever ran the three GEMMs
   faster at the chosen rows.
+- **half tile step** (:meth:`Tuning.step_rows`): with native half GEMMs the chunk's
+  logits live in a half tile whose fp32 math runs a step of rows at a time
+  (:mod:`linear_ce.engine.chunk_loop`); the step is the largest candidate of ``STEP_CANDIDATES``
+  within ``TOLERANCE`` of the fastest (:func:`step_rates`), scaled to the call's classes
+  (the same bytes per step: what fits a core's cache).
 - **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
   vocabulary pass before its rows are split into groups. A block of ``C`` classes against
   ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
-  classes (the roles of rows and classes swap), so it is the smallest candidate within
-  ``TOLERANCE`` of the best rate of all of them.
+  classes (the roles of rows and classes swap), so it is the smallest candidate up to the
+  fixed rule's within ``TOLERANCE`` of the best rate among them.
 - **half path** (:func:`half_gemm_pays`): a CPU whose flags promise native fp16/bf16 GEMMs
   (:func:`linear_ce.engine.capability.native_half_gemm`) takes them only if the measured half
   GEMM runs at least ``HALF_MIN_SPEEDUP`` times its fp32 rate; else the fp32 path.
@@ -62,6 +71,8 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   ``auto`` or unset: measured.
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
   classes per block; ``auto`` or unset: measured.
+- ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
+  measured.
 - ``LINEAR_CE_NATIVE_HALF_GEMM`` (:mod:`linear_ce.engine.capability`): ``0`` forces the fp32
   path, ``1`` the native path wherever the flags allow it; ``auto`` or unset: measured.
 
@@ -99,23 +110,30 @@ __all__ = [
     "CHUNK_ROWS_ENV",
     "CLASS_BLOCK_ENV",
     "HALF_MIN_SPEEDUP",
+    "MAX_MEASURE_FEATURES",
     "MEASURE_CLASSES",
     "MEASURE_ENV",
     "MEASURE_RATIO",
     "MEASURE_ROUNDS",
     "MEMORY_BUDGET_ENV",
+    "MIN_BUSY",
     "NOISE_LIMIT",
+    "STEP_CANDIDATES",
+    "STEP_ROWS_ENV",
     "TILE_LAYOUT_ENV",
     "TOLERANCE",
     "Tuning",
     "chunk_rates",
     "half_gemm_pays",
     "half_speedup",
+    "known_rates",
     "machine_info",
     "measured_rates",
     "memory_budget",
+    "step_rates",
     "tuning_for",
     "worth_measuring",
+    "worth_measuring_steps",
 ]
 
 MEASURE_ENV = "LINEAR_CE_MEASURE"
@@ -124,18 +142,33 @@ MEMORY_BUDGET_ENV = "LINEAR_CE_MEMORY_BUDGET"
 CHUNK_ROWS_ENV = "LINEAR_CE_CHUNK_ROWS"
 TILE_LAYOUT_ENV = "LINEAR_CE_TILE_LAYOUT"
 CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
+STEP_ROWS_ENV = "LINEAR_CE_STEP_ROWS"
 
 #: Chunk sizes measured. Above 1024 rows the weight-gradient GEMM's inner dimension is
 #: as long as a typical feature count and its rate flat, so larger chunks are taken as
 #: fast as 1024 rows (never measured, never preferred for speed alone).
 CANDIDATE_ROWS = (128, 192, 256, 384, 512, 768, 1024)
-#: Classes of the weight block the measurement multiplies: large enough that each GEMM
-#: runs for milliseconds (timer and thread start-up negligible), small enough that the
-#: measurement of the default budget's candidates costs ~1/20 of a step at N=2048,
-#: F=1024, V=32768.
-MEASURE_CLASSES = 1024
+#: Classes of the weight block the measurement multiplies, per thread (at least two):
+#: large enough that each GEMM runs for milliseconds on every thread (timer and thread
+#: start-up negligible), small enough that the measurement of the default budget's
+#: candidates costs ~1/16 of a step at N=2048, F=1024, V=32768 (2 threads: 1024 classes).
+MEASURE_CLASSES = 512
+#: Feature counts above this are measured at it: the measurement's cost grows with them,
+#: the candidates' relative rates (what the choices use) change little (the weight
+#: gradient's inner dimension is the chunk's rows whatever the feature count).
+MAX_MEASURE_FEATURES = 1024
 #: Rows of the half-against-fp32 comparison.
 HALF_MEASURE_ROWS = 512
+#: Rows per step of a half tile's fp32 math measured (:func:`step_rates`), at
+#: ``STEP_MEASURE_CLASSES`` classes; a call with ``V`` classes takes the best one's bytes.
+STEP_CANDIDATES = (4, 8, 16, 32, 64)
+STEP_MEASURE_CLASSES = 32768
+#: Rows of the half block stepped through per candidate and round.
+STEP_MEASURE_ROWS = 64
+#: What :func:`step_rates` costs, counted as GEMM flops that take as long (~40 ms of
+#: elementwise work on one Sapphire Rapids core, where its AMX bf16 GEMMs run ~600 GFLOP/s):
+#: the gate of :func:`worth_measuring_steps`.
+STEP_MEASURE_FLOPS = 25e9
 #: Timed rounds per candidate, interleaved; the fastest round of each counts.
 MEASURE_ROUNDS = 3
 #: A candidate within this share of the best measured rate is as good as the best (the
@@ -145,6 +178,12 @@ TOLERANCE = 0.04
 #: machine was busy): its choices fall back to the fixed rule in this process, and it is
 #: not written to the disk cache, so a later process measures again.
 NOISE_LIMIT = 0.05
+#: ... and so is one during which the process's threads ran less than this share of the
+#: wall time (``time.process_time`` over the wall time × threads): a machine busy with
+#: other work slows every round alike, so the rounds agree, but its rates are those of
+#: a share of the cores (2 threads among ~15 busy processes measured 10-30 GFLOP/s
+#: instead of 150-290, and small GEMMs lose more than large ones).
+MIN_BUSY = 0.8
 #: Measured choices are used by calls whose GEMMs take at least this many times the
 #: measurement's flops, so measuring (once per process, and none once cached) costs at most
 #: this fraction of one call.
@@ -153,7 +192,7 @@ MEASURE_RATIO = 8
 #: no slower, since they also save the fp32 copies of the weight's blocks.
 HALF_MIN_SPEEDUP = 1.0
 #: Bumped when what is measured changes; older cache files are then measured again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -227,16 +266,24 @@ def _forced_rows() -> int | None:
     return int(text)
 
 
-def _forced_class_block() -> int | None:
-    text = os.environ.get(CLASS_BLOCK_ENV, "auto").strip() or "auto"
+def _forced_count(name: str, what: str) -> int | None:
+    text = os.environ.get(name, "auto").strip() or "auto"
     if text == "auto":
         return None
     if not text.isdigit() or int(text) < 1:
         raise ValueError(
-            f"{CLASS_BLOCK_ENV} must be a positive number of classes (forcing the vocabulary "
-            f"pass's fewest classes per block) or auto (measured, the default); got {text!r}"
+            f"{name} must be a positive number of {what} or auto (measured, the default); "
+            f"got {text!r}"
         )
     return int(text)
+
+
+def _forced_class_block() -> int | None:
+    return _forced_count(CLASS_BLOCK_ENV, "classes (forcing the vocabulary pass's block)")
+
+
+def _forced_step_rows() -> int | None:
+    return _forced_count(STEP_ROWS_ENV, "rows (forcing a half tile's step)")
 
 
 def _forced_layout() -> bool | None:
@@ -260,18 +307,27 @@ def _can_measure(device: torch.device) -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+def _measure_classes() -> int:
+    return MEASURE_CLASSES * max(2, torch.get_num_threads())
+
+
 def worth_measuring(flops: float, features: int, cap: int) -> bool:
     """Whether a call of ``flops`` GEMM flops (``6·N·F·V`` for a training step) at ``features``
     pays for measuring the candidates up to ``cap`` rows in both layouts (the warm-up round
     included): at most ``1/MEASURE_RATIO`` of it."""
     rows = [b for b in CANDIDATE_ROWS if b <= cap] or [CANDIDATE_ROWS[0]]
-    cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * MEASURE_CLASSES for b in rows)
+    cost = (MEASURE_ROUNDS + 1) * 2 * sum(6 * b * features * _measure_classes() for b in rows)
     return flops >= MEASURE_RATIO * cost
+
+
+def worth_measuring_steps(flops: float) -> bool:
+    """As :func:`worth_measuring`, for the half tile's step rows (:func:`step_rates`)."""
+    return flops >= MEASURE_RATIO * STEP_MEASURE_FLOPS
 
 
 def _worth_half_measurement(flops: float, features: int) -> bool:
     """As :func:`worth_measuring`, for :func:`half_speedup` (one GEMM in two dtypes)."""
-    cost = (MEASURE_ROUNDS + 1) * 2 * 2 * HALF_MEASURE_ROWS * features * MEASURE_CLASSES
+    cost = (MEASURE_ROUNDS + 1) * 2 * 2 * HALF_MEASURE_ROWS * features * _measure_classes()
     return flops >= MEASURE_RATIO * cost
 
 
@@ -396,9 +452,11 @@ class _Store:
 
 
 def _steady(rates: list[float]) -> bool:
-    """Whether a measurement's rounds agreed (its last value, the spread, within
-    ``NOISE_LIMIT``): only such a measurement decides a choice or is written to disk."""
-    return rates[-1] <= 1 + NOISE_LIMIT
+    """Whether a measurement (its last two values: the spread of its rounds, the share of
+    the time its threads ran) was taken on a machine that let it run: rounds within
+    ``NOISE_LIMIT``, threads busy at least ``MIN_BUSY``. Only such a measurement decides a
+    choice or is written to disk."""
+    return rates[-2] <= 1 + NOISE_LIMIT and rates[-1] >= MIN_BUSY
 
 
 def _check(data: object, machine: dict) -> str | None:
@@ -459,35 +517,55 @@ def _layout_name(class_major: bool) -> str:
 
 
 class _Clock:
-    """Times of labelled operations over repeated rounds."""
+    """Times of labelled operations over repeated rounds, and how busy the process's
+    threads were meanwhile."""
 
     def __init__(self) -> None:
         self.times: dict[tuple, list[float]] = {}
+        self.wall = self.cpu = 0.0
 
     def time(self, label: tuple, fn) -> None:
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         fn()
-        self.times.setdefault(label, []).append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cpu += time.process_time() - cpu
+        self.wall += seconds
+        self.times.setdefault(label, []).append(seconds)
+
+    def busy(self) -> float:
+        """CPU time of the process over the wall time of the timed operations × threads."""
+        return self.cpu / max(self.wall * torch.get_num_threads(), 1e-9)
 
     def best(self, label: tuple) -> float:
         return min(self.times[label])
 
     def spread(self, label: tuple) -> float:
-        """The second-fastest time over the fastest: near 1 where the rounds agree."""
-        first, second = sorted(self.times[label])[:2]
-        return second / first
+        """The second-fastest time over the fastest: near 1 where the rounds agree
+        (infinite after one round)."""
+        times = sorted(self.times[label])
+        return times[1] / times[0] if len(times) > 1 else math.inf
+
+    def rounds(self, run_round) -> None:
+        """``run_round(r)`` for ``MEASURE_ROUNDS`` rounds, stopping after the first where
+        the threads were busy less than ``MIN_BUSY`` of it (the result is unsteady anyway:
+        on a busy machine the measurement costs one round, not all)."""
+        for r in range(MEASURE_ROUNDS):
+            run_round(r)
+            if self.busy() < MIN_BUSY:
+                return
 
 
 def chunk_rates(
     dtype: torch.dtype, features: int, rows: list[int], layouts: tuple[bool, ...] = (True, False)
 ) -> dict[tuple[int, bool], list[float]]:
     """Measure the three GEMMs of a chunk of each of ``rows`` rows in each layout
-    (``True``: class-major) against ``MEASURE_CLASSES`` classes, ``MEASURE_ROUNDS``
+    (``True``: class-major) against ``MEASURE_CLASSES`` classes per thread, ``MEASURE_ROUNDS``
     interleaved rounds after a warm-up round: ``(rows, class_major) -> [logits, input
     gradient, weight gradient, all three]`` in GFLOP/s (each the fastest round), then the
-    spread of the rounds of all three (:meth:`_Clock.spread`)."""
+    spread of the rounds of all three (:meth:`_Clock.spread`) and how busy the threads
+    were (:meth:`_Clock.busy`)."""
     gen = torch.Generator().manual_seed(0)
-    classes, most = MEASURE_CLASSES, max(rows)
+    classes, most = _measure_classes(), max(rows)
     weight = torch.randn(classes, features, generator=gen).to(dtype)
     x = torch.randn(most, features, generator=gen).to(dtype)
     grad_w = torch.zeros(classes, features, dtype=dtype)
@@ -509,11 +587,14 @@ def chunk_rates(
     for b, layout in cases:
         # A warm-up round: page faults, the BLAS's kernels and packing buffers.
         chunk(b, layout)
-    clock = _Clock()
-    for r in range(MEASURE_ROUNDS):
+
+    def run_round(r: int) -> None:
         shift = r % len(cases)
         for b, layout in cases[shift:] + cases[:shift]:
             chunk(b, layout)
+
+    clock = _Clock()
+    clock.rounds(run_round)
     result = {}
     for b, layout in cases:
         gflop = 2 * b * features * classes / 1e9
@@ -521,30 +602,74 @@ def chunk_rates(
         rounds = [
             sum(t) for t in zip(*(clock.times[(b, layout, g)] for g in range(3)), strict=True)
         ]
-        first, second = sorted(rounds)[:2]
+        rounds.sort()
+        spread = rounds[1] / rounds[0] if len(rounds) > 1 else math.inf
         result[(b, layout)] = [gflop / s for s in seconds] + [3 * gflop / sum(seconds)]
-        result[(b, layout)].append(second / first)
+        result[(b, layout)] += [spread, clock.busy()]
     return result
 
 
 def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
-    """``[speedup, spread]``: the logits GEMM's rate in ``dtype`` over its fp32 rate,
-    ``HALF_MEASURE_ROWS`` rows against ``MEASURE_CLASSES`` classes, the fastest of
-    ``MEASURE_ROUNDS`` interleaved rounds after a warm-up; and the larger spread of the
-    two dtypes' rounds (:meth:`_Clock.spread`)."""
+    """``[speedup, spread, busy]``: the logits GEMM's rate in ``dtype`` over its fp32
+    rate, ``HALF_MEASURE_ROWS`` rows against the measurement's classes, the fastest of
+    ``MEASURE_ROUNDS`` interleaved rounds after a warm-up; the larger spread of the two
+    dtypes' rounds (:meth:`_Clock.spread`) and how busy the threads were."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(MEASURE_CLASSES, features, generator=gen)
+    weight = torch.randn(_measure_classes(), features, generator=gen)
     x = torch.randn(HALF_MEASURE_ROWS, features, generator=gen)
     operands = {d: (weight.to(d), x.to(d)) for d in (dtype, torch.float32)}
     for w, xd in operands.values():
         torch.mm(w, xd.T)
-    clock = _Clock()
-    for r in range(MEASURE_ROUNDS):
+
+    def run_round(r: int) -> None:
         for d in (dtype, torch.float32) if r % 2 else (torch.float32, dtype):
             w, xd = operands[d]
             clock.time((d,), lambda w=w, xd=xd: torch.mm(w, xd.T))
+
+    clock = _Clock()
+    clock.rounds(run_round)
     speedup = clock.best((torch.float32,)) / clock.best((dtype,))
-    return [speedup, max(clock.spread((d,)) for d in operands)]
+    return [speedup, max(clock.spread((d,)) for d in operands), clock.busy()]
+
+
+def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
+    """Measure a half tile's fp32 math (:mod:`linear_ce.engine.chunk_loop`) a step of each of
+    ``steps`` rows at a time, over ``STEP_MEASURE_ROWS`` rows of ``STEP_MEASURE_CLASSES``
+    classes of ``dtype``: widen the step to fp32, row max, subtract, ``exp2``, row sums,
+    scale, write back (the passes a cross-entropy head makes). ``step -> [G elements/s,
+    spread, busy]``, the fastest of ``MEASURE_ROUNDS`` interleaved rounds after a warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    rows, classes = STEP_MEASURE_ROWS, STEP_MEASURE_CLASSES
+    half = (torch.randn(rows, classes, generator=gen) / 4).to(dtype)
+    tile = torch.empty(max(steps), classes)
+    stats = torch.empty(max(steps))
+
+    def pass_over(step: int) -> None:
+        for start in range(0, rows, step):
+            part = half[start : start + step]
+            u = tile[: part.shape[0]]
+            u.copy_(part)
+            row_max = u.amax(dim=1)
+            u.sub_(row_max[:, None])
+            torch.mul(u, 1.4426950408889634, out=u).exp2_()
+            torch.sum(u, dim=1, out=stats[: u.shape[0]])
+            u.div_(stats[: u.shape[0], None])
+            part.copy_(u)
+
+    for step in steps:
+        pass_over(step)
+
+    def run_round(r: int) -> None:
+        shift = r % len(steps)
+        for step in steps[shift:] + steps[:shift]:
+            clock.time((step,), lambda step=step: pass_over(step))
+
+    clock = _Clock()
+    clock.rounds(run_round)
+    return {
+        step: [rows * classes / 1e9 / clock.best((step,)), clock.spread((step,)), clock.busy()]
+        for step in steps
+    }
 
 
 def _quietly(fn, *args):
@@ -570,6 +695,27 @@ def measured_rates(dtype: torch.dtype, features: int, rows: list[int]) -> dict:
             _STORE.put({keys[case]: rates for case, rates in fresh.items()})
             known = _STORE.get(list(keys.values()))
     return {case: known[k] for case, k in keys.items()}
+
+
+def known_rates(dtype: torch.dtype, features: int) -> dict:
+    """What this process knows (measured or read from the disk cache) without measuring:
+    ``{"chunk": {(rows, class_major): [logits, grad input, grad weight, all three,
+    spread, busy]}, "half": [speedup, spread, busy] or None, "step": {rows: [G elements/s,
+    spread, busy]}}`` for GEMMs in ``dtype`` at ``features``
+    (the half entry: ``dtype``'s GEMMs against fp32's)."""
+    keys = {
+        (b, layout): _key("chunk", dtype, features, _layout_name(layout), f"B{b}")
+        for b in CANDIDATE_ROWS
+        for layout in (True, False)
+    }
+    half_key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
+    steps = {b: _key("step", dtype, 0, f"B{b}") for b in STEP_CANDIDATES}
+    known = _STORE.get([*keys.values(), half_key, *steps.values()])
+    return {
+        "chunk": {case: known[k] for case, k in keys.items() if k in known},
+        "half": known.get(half_key),
+        "step": {b: known[k] for b, k in steps.items() if k in known},
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -628,20 +774,47 @@ class Tuning:
         return rates[(b, True)][3] >= rates[(b, False)][3]
 
     def min_class_block(self, fallback: int) -> int:
-        """The vocabulary pass's fewest classes per block: the smallest candidate whose
-        GEMMs run within ``TOLERANCE`` of the best candidate's rate (a block of ``C``
-        classes issues a ``C``-row chunk's GEMM shapes), else ``fallback``;
+        """The vocabulary pass's fewest classes per block: the smallest candidate up to
+        ``fallback`` whose GEMMs run within ``TOLERANCE`` of the best of them (a block of
+        ``C`` classes issues a ``C``-row chunk's GEMM shapes: blocks no larger than the
+        fixed rule's, so rows are split into groups no sooner), else ``fallback``;
         ``LINEAR_CE_CLASS_BLOCK`` forces it."""
         forced = _forced_class_block()
         if forced is not None:
             return forced
-        if not self.measures(CANDIDATE_ROWS[-1]):
+        candidates = [b for b in CANDIDATE_ROWS if b <= fallback]
+        if len(candidates) < 2 or not self.measures(fallback):
             return fallback
-        best = self._best_by_rows(list(CANDIDATE_ROWS))
+        best = self._best_by_rows(candidates)
         if best is None:
             return fallback
         top = max(best.values())
         return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
+
+    def step_rows(self, classes: int, fallback: int) -> int:
+        """Rows per step of a half tile's fp32 math for ``classes`` classes:
+        ``LINEAR_CE_STEP_ROWS``, else the measured step of the largest size within
+        ``TOLERANCE`` of the fastest (at ``STEP_MEASURE_CLASSES`` classes; as many bytes per
+        step at ``classes``: the steps that stay in a core's cache), else ``fallback``."""
+        forced = _forced_step_rows()
+        if forced is not None:
+            return forced
+        if not (self.allowed and worth_measuring_steps(self.flops)):
+            return fallback
+        keys = {b: _key("step", self.dtype, 0, f"B{b}") for b in STEP_CANDIDATES}
+        with _STORE.lock:
+            known = _STORE.get(list(keys.values()))
+            missing = [b for b, k in keys.items() if k not in known]
+            if missing:
+                fresh = _quietly(step_rates, self.dtype, missing)
+                _STORE.put({keys[b]: rates for b, rates in fresh.items()})
+                known = _STORE.get(list(keys.values()))
+        rates = {b: known[k] for b, k in keys.items()}
+        if not all(_steady(r) for r in rates.values()):
+            return fallback
+        top = max(r[0] for r in rates.values())
+        best = max(b for b, r in rates.items() if r[0] >= (1 - TOLERANCE) * top)
+        return max(1, best * STEP_MEASURE_CLASSES // max(classes, 1))
 
     def _best_by_rows(self, rows: list[int]) -> dict[int, float] | None:
         """Each of ``rows``' rate in its faster layout; ``None`` if a measurement was unsteady."""
@@ -653,12 +826,13 @@ class Tuning:
 
 def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: float) -> Tuning:
     """The :class:`Tuning` of a call on ``device`` whose GEMMs (operands ``dtype``, inner
-    dimension ``features``) take ``flops``."""
+    dimension ``features``) take ``flops``; measured at ``min(features,
+    MAX_MEASURE_FEATURES)`` features."""
     # Every override is read here, so a bad value is an error on any call, not only on
     # the calls whose plan consults it.
-    _forced_rows(), _forced_layout(), _forced_class_block()
+    _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows()
     allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
-    return Tuning(allowed, dtype, features, float(flops))
+    return Tuning(allowed, dtype, min(features, MAX_MEASURE_FEATURES), float(flops))
 
 
 def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flops: float) -> bool:
@@ -668,6 +842,7 @@ def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flop
     rate (measured once per process and machine); else (the fallback) yes."""
     if native_half_mode() == "1":
         return True
+    features = min(features, MAX_MEASURE_FEATURES)
     if not (dtype in _HALF and _can_measure(device) and _worth_half_measurement(flops, features)):
         return True
     key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")

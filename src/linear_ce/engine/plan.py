@@ -61,10 +61,12 @@ DIVERGENCE_SHARE = 0.48
 #: with the split sum; with at most ``DIRECT_SUM_MAX_CHUNKS`` chunks the plane's bytes are
 #: added, 2 × 1024 rows).
 HALF_CPU_BUDGET_SHARE = 0.5
-#: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``): the half
-#: tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit
-#: instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on steps
-#: of this many rows.
+#: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``) where it is
+#: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`: the step whose fp32 math runs
+#: fastest, 8 rows at V=32768 on a Sapphire Rapids core, 41 against 65 ms per 1024 rows):
+#: the half tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per
+#: logit instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on
+#: steps of this many rows (16–64 within noise on a 2-core Zen 4).
 HALF_TILE_STEP_ROWS = 64
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
@@ -309,8 +311,9 @@ def make_plan(
     native half GEMMs the CPU's flags promise are taken where they run faster than fp32;
     fp32/fp64 chunks are the smallest within the budget that run the GEMMs at full rate
     (half inputs keep the budget's longest: their weight-gradient sum pays per chunk); the
-    logits tile takes the layout the GEMMs run faster in; the vocabulary pass's fewest
-    classes per block are those its GEMMs reach full rate at.
+    logits tile takes the layout the GEMMs run faster in; a half tile's fp32 math takes
+    the step of rows it runs fastest in; the vocabulary pass's fewest classes per block are
+    those its GEMMs reach full rate at.
 
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
@@ -408,7 +411,10 @@ def make_plan(
             direct_rows = chunk_rows(share + plane_share)
             if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
                 weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
-    rows_per_step = min(rows_per_chunk, HALF_TILE_STEP_ROWS) if half else rows_per_chunk
+    if half:
+        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
+    else:
+        rows_per_step = rows_per_chunk
     if not (half or vocab_pass):
         gemm = dataclasses.replace(gemm, class_major=tuning.class_major(rows_per_chunk))
     return Plan(

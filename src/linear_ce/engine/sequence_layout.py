@@ -79,8 +79,9 @@ class SequenceLayout:
     totals: SequenceTotals
     group_size: int | None
     max_group_tokens: int
-    # Host-side: sequences in (group, member) order, each one's rank in that order, its
-    # group index, the scored rows sorted by rank then row, and the rank of each of them.
+    # Host-side. A sequence's rank is its place in (group, member) order: the sequences in
+    # rank order, the group of each rank, the scored tokens of each group, the scored rows
+    # sorted by rank then row with the rank of each, and the scored tokens of each rank.
     _order: torch.Tensor
     _group_of_rank: torch.Tensor
     _group_tokens: torch.Tensor

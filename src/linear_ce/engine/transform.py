@@ -18,11 +18,10 @@ softcap costs a pass over the tile in backward.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-__all__ = ["LogitTransform", "check_scales"]
+__all__ = ["LogitTransform"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +77,3 @@ class LogitTransform:
         if self.softcap is not None:
             z = self.softcap * torch.tanh(z / self.softcap)
         return z / self.temperature if self.temperature != 1.0 else z
-
-
-def check_scales(name: str, logit_scale: float, temperature: float) -> None:
-    """``logit_scale`` and ``temperature`` must be finite floats > 0; errors name ``name``."""
-    for arg, value in (("logit_scale", logit_scale), ("temperature", temperature)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not 0.0 < value < math.inf
-        ):
-            raise ValueError(f"{name}: {arg} must be a finite float > 0, got {value!r}")

@@ -33,7 +33,12 @@ import os
 
 import torch
 
-from linear_ce.engine.chunk_loop import Gradients, add_grad_input_rows, tiles_for
+from linear_ce.engine.chunk_loop import (
+    Gradients,
+    add_grad_input_rows,
+    tiles_for,
+    without_autocast,
+)
 from linear_ce.engine.head import KnownStatsHead
 from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, rows_of
@@ -82,6 +87,7 @@ def vocab_pass_gradients(
     )
 
 
+@without_autocast
 def run_vocab_pass(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -7,7 +7,10 @@ per-token losses and takes their gradients :math:`g = \partial L/\partial \log p
 chunk's ``(B,)`` tensors. These are the upstream gradients of
 :class:`~linear_ce.losses.token_logprob.TokenLogprobHead`, known while the
 chunk's logits are still in the tile: the loop goes straight on to the
-gradient GEMMs, three per training step.
+gradient GEMMs, three per training step. Without autograd at the call
+(``torch.no_grad()``) the objective runs without a graph; with it, a result
+that depends on any other tensor requiring grad is refused, as its gradient
+could not flow.
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class ObjectiveHead(TokenLogprobHead):
                 f"input ({self.name}(..., name=tensor.detach())), detach the tensor, or "
                 f"apply a learnable factor outside the call (coef * {self.name}(...))"
             )
+
+    def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.chunk_grads[0], self.chunk_grads[1]
 
 
 def other_leaf(total: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor | None:

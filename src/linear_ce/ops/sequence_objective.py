@@ -1,13 +1,14 @@
 r"""The autograd of :func:`linear_ce.sequence_objective`: one pass, gradients in forward.
 
-Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens; the
-plan is made without a half tile, whose steps would hand the head part of a chunk), the
+Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens, grown
+up to ``GROUP_BUDGET_SHARE`` of the gradients' bytes for the longest group; the plan is
+made without a half tile, whose steps would hand the head part of a chunk), the
 chunk loop runs once over chunks of whole groups
 (:meth:`~linear_ce.engine.sequence_layout.SequenceLayout.chunks`) with
 :class:`~linear_ce.losses.sequence_objective.SequenceHead`: per chunk the logits GEMM, the
 objective and its gradient, the two gradient GEMMs — three GEMMs per training step.
 
-Where one group has more scored tokens than a chunk may hold, the call takes the
+Where one group has more scored tokens than even that chunk may hold, the call takes the
 four-GEMM path: the loop computes every token's log-probability and row statistics (one
 GEMM, no gradient), the objective is evaluated on all groups at once, and the vocabulary
 pass (:mod:`linear_ce.engine.vocab_pass`) forms the gradients from the row statistics (three
@@ -42,7 +43,13 @@ from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHea
 from linear_ce.ops.autograd import hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions
 
-__all__ = ["SequenceSpec", "sequence_objective_op"]
+__all__ = ["GROUP_BUDGET_SHARE", "SequenceSpec", "sequence_objective_op"]
+
+#: A chunk may grow beyond the plan's to hold the longest group while its tiles take at most
+#: this share of the gradients' bytes (the budget rule's, :func:`linear_ce.engine.plan.choose_chunk_rows`):
+#: with the gradients themselves, 1.5× their bytes. Only the budget rule grows
+#: (``chunking_method`` ``"auto"``/``"budget[:N]"``); ``batch_chunk_size`` is a hard limit.
+GROUP_BUDGET_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,20 +90,32 @@ def _no_direct_sum_overflow(plan: Plan, chunks: int) -> Plan:
     )
 
 
-def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
-    """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
-    call, layout = spec.call, spec.layout
+def _plan(input: torch.Tensor, spec: SequenceSpec, tiles: int, **kwargs) -> Plan:
+    """:func:`linear_ce.engine.plan.make_plan` for this call's rows and classes per process."""
     rows, in_features = input.shape
-    plan = make_plan(
+    return make_plan(
         rows,
         in_features,
         spec.vocab.plan_classes,
         input.dtype,
         input.device,
         spec.options,
-        tiles=tiles_for(spec.entropy, call.transform, any(spec.needs)),
-        half_tile=False,
+        tiles=tiles,
+        **kwargs,
     )
+
+
+def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
+    """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
+    call, layout = spec.call, spec.layout
+    tiles = tiles_for(spec.entropy, call.transform, any(spec.needs))
+    plan = _plan(input, spec, tiles, half_tile=False)
+    longest = layout.max_group_tokens
+    if longest > plan.rows_per_chunk:
+        roomy = _plan(input, spec, tiles, share=GROUP_BUDGET_SHARE, half_tile=False)
+        if longest <= roomy.rows_per_chunk:
+            # Chunks just long enough for the longest group, not the roomy plan's.
+            plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
         return None

@@ -228,7 +228,10 @@ def refuse_statistic_gradients(
     for statistic, grad in grads.items():
         if grad is None:
             continue
-        if not torch.compiler.is_compiling():
+        # A compiled backward is traced with functional (fake) tensors; torch 2.6's
+        # is_compiling() is False while AOT autograd traces it.
+        traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor
+        if not traced:
             raise RuntimeError(_statistic_message(function, statistic))
         keep = keep + _statistic_gradient_check(grad, function, statistic)
     return keep
