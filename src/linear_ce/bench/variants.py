@@ -315,7 +315,8 @@ def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
     the threads were, by rows and layout, for the sizes up to the fixed rule's."""
     import os
 
-    from linear_ce import LinearCrossEntropyOptions, machine
+    from linear_ce import LinearCrossEntropyOptions
+    from linear_ce.engine import machine
     from linear_ce.engine.plan import make_plan
 
     dtype, device = point.torch_dtype, torch.device(point.device)

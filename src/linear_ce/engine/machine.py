@@ -102,7 +102,7 @@ from pathlib import Path
 
 import torch
 
-from linear_ce.engine.capability import cpu_flags, native_half_mode
+from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_mode
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -194,7 +194,6 @@ HALF_MIN_SPEEDUP = 1.0
 #: Bumped when what is measured changes; older cache files are then measured again.
 CACHE_VERSION = 2
 
-_HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -843,7 +842,9 @@ def half_gemm_pays(dtype: torch.dtype, device: torch.device, features: int, flop
     if native_half_mode() == "1":
         return True
     features = min(features, MAX_MEASURE_FEATURES)
-    if not (dtype in _HALF and _can_measure(device) and _worth_half_measurement(flops, features)):
+    if not (
+        dtype in HALF_DTYPES and _can_measure(device) and _worth_half_measurement(flops, features)
+    ):
         return True
     key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
     with _STORE.lock:

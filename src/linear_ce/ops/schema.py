@@ -1,15 +1,17 @@
 """One structure per custom op: its arguments, described once.
 
-An op's arguments are the fields of a ``NamedTuple``, in order. A field whose type is a
-*group* (a ``NamedTuple`` or dataclass of argument types: the plan's options, the
-gradients wanted, the outputs asked for) stands for the group's own fields, named
-``<field>_<member>`` in the op's schema; one whose type has a flat form (``as_list`` and
-``from_list``: the logits transform) is one ``float[]`` argument. From that one structure :class:`OpSchema`
-builds the op's signature (torch infers the schema from it), hands the kernel, the fake
-and ``setup_context`` the structure again (rebuilt from the flat arguments), keeps it
-for backward (:meth:`OpSchema.save`) and lists backward's gradients
-(:meth:`OpSchema.gradients`). The first three arguments of every op are ``input``,
-``linear_weight`` and ``linear_bias``, the only ones with a gradient.
+An op's arguments are the fields of a ``NamedTuple``, in order (a default is the op
+argument's default). A field whose type is a *group* (a ``NamedTuple`` or dataclass of
+argument types: the plan's options, the gradients wanted, the outputs asked for) stands
+for the group's own fields, named ``<field>_<member>`` in the op's schema; one whose type
+has a flat form (``as_list`` and ``from_list``: the logits transform) is one ``float[]``
+argument. From that one structure :class:`OpSchema` builds the op's signature (torch
+infers the schema from it), hands the kernel, the fake and ``setup_context`` the
+structure again (rebuilt from the flat arguments), keeps it for backward
+(:meth:`OpSchema.save`), reruns the op in backward (:meth:`OpSchema.recompute`) and lists
+backward's gradients (:meth:`OpSchema.gradients`). The first three arguments of every op
+are ``input``, ``linear_weight`` and ``linear_bias``, the only ones with a gradient; its
+last three outputs are their gradients.
 
 Example::
 
@@ -28,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -71,10 +74,16 @@ class PlanOptions(NamedTuple):
         )
 
 
-def _fields(structure: type) -> list[str]:
+@functools.cache
+def _fields(structure: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, type)`` of each field of a ``NamedTuple`` or dataclass, in order (read once
+    per type: every op call rebuilds its structure)."""
+    hints = typing.get_type_hints(structure)
     if dataclasses.is_dataclass(structure):
-        return [field.name for field in dataclasses.fields(structure)]
-    return list(structure._fields)
+        names = [field.name for field in dataclasses.fields(structure)]
+    else:
+        names = list(structure._fields)
+    return tuple((name, hints[name]) for name in names)
 
 
 def _is_flat(annotation: object) -> bool:
@@ -96,24 +105,21 @@ def _leaves(
     structure: type, path: tuple[str, ...] = ()
 ) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
     """``(path, type, default)`` of each op argument of ``structure``, in order."""
-    hints = typing.get_type_hints(structure)
     defaults = getattr(structure, "_field_defaults", {})
-    for field in _fields(structure):
-        if _is_group(hints[field]):
-            yield from _leaves(hints[field], (*path, field))
+    for field, hint in _fields(structure):
+        if _is_group(hint):
+            yield from _leaves(hint, (*path, field))
         else:
-            yield (*path, field), hints[field], defaults.get(field, inspect.Parameter.empty)
+            yield (*path, field), hint, defaults.get(field, inspect.Parameter.empty)
 
 
 def _build(structure: type, values: Iterator[Any]) -> Any:
-    hints = typing.get_type_hints(structure)
-
     def value(hint: Any) -> Any:
         if _is_group(hint):
             return _build(hint, values)
         return hint.from_list(next(values)) if _is_flat(hint) else next(values)
 
-    return structure(*(value(hints[field]) for field in _fields(structure)))
+    return structure(*(value(hint) for _, hint in _fields(structure)))
 
 
 def _vmap_by_loop(op: CustomOpDef) -> Callable[..., Any]:
