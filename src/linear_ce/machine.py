@@ -67,8 +67,8 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   inputs, the vocabulary pass, distillation's teacher) scales with it.
 - ``LINEAR_CE_CHUNK_ROWS``: a number of rows forces the rows-per-chunk choice (at most
   the budget's rows, as a measured choice would be); ``auto`` or unset: measured.
-- ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout;
-  ``auto`` or unset: measured.
+- ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout, the
+  vocabulary pass's too; ``auto`` or unset: measured (the vocabulary pass: the backend's).
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
   classes per block; ``auto`` or unset: measured.
 - ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
@@ -757,6 +757,11 @@ class Tuning:
         top = max(best.values())
         chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
         return cap if chosen == candidates[-1] else chosen
+
+    def forced_class_major(self) -> bool | None:
+        """The layout ``LINEAR_CE_TILE_LAYOUT`` forces (``True``: class-major), else
+        ``None``: the vocabulary pass, whose layout is not measured, follows it too."""
+        return _forced_layout()
 
     def class_major(self, rows: int) -> bool:
         """The logits tile's layout for chunks of ``rows`` rows: ``LINEAR_CE_TILE_LAYOUT``,
