@@ -13,6 +13,10 @@ gradients. The teachers come from a dense teacher head restricted to its top-k.
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -640,3 +644,27 @@ def test_float64_reference_own_error():
     assert rel_err(got_grad, exact[1]) <= max(
         16 * eps(torch.float64), 2 * rel_err(ref_grad, exact[1])
     )
+
+
+def test_example_runs_at_a_tiny_size(tmp_path):
+    """``examples/sparse_distillation.py`` end to end, small enough for CI: the teacher
+    trained and stored, both students trained, the plot and the summary written."""
+    script = pathlib.Path(__file__).parent.parent / "examples" / "sparse_distillation.py"
+    args = ["--teacher-steps", "2", "--teacher-hidden", "16", "--teacher-layers", "1"]
+    args += ["--steps", "3", "--hidden", "8", "--eval-every", "2", "--seq", "16", "--k", "4"]
+    args += ["--threads", "1", "--out", str(tmp_path / "plot.png")]
+    args += ["--store", str(tmp_path / "topk.pt")]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stored = torch.load(tmp_path / "topk.pt")
+    assert stored["ids"].dtype == torch.int32 and stored["logprobs"].dtype == torch.bfloat16
+    assert stored["ids"].shape[-2:] == (16, 4)
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert proc.stdout.splitlines()[2].startswith("held-out cross-entropy: teacher")
