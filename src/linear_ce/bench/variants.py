@@ -385,7 +385,12 @@ def plan_note(plan: dict | None) -> str:
             rows = int(key.split()[0])
             best[rows] = max(best.get(rows, 0.0), r[3])
         text += "; GFLOP/s " + " ".join(f"{b}:{best[b]:.0f}" for b in sorted(best))
-        if not all(r[-2] <= 1.05 and r[-1] >= 0.8 for r in rates.values()):
+        from linear_ce import machine
+
+        quiet = [
+            r[-2] <= 1 + machine.NOISE_LIMIT and r[-1] >= machine.MIN_BUSY for r in rates.values()
+        ]
+        if not all(quiet):
             text += " (unsteady: not used)"
     if plan["half_speedup"]:
         text += f"; half/fp32 GEMM {plan['half_speedup'][0]:.2f}×"
