@@ -363,6 +363,31 @@ def test_a_busy_machine_stops_the_measurement_after_one_round(monkeypatch):
     assert all(r[1] == math.inf for r in steps.values())
 
 
+def test_bench_reports_the_plan_and_its_rates(monkeypatch):
+    """The bench's note and JSON name each ``linear_ce`` row's plan, the fixed rule's where
+    it differs, and the rates it was chosen from."""
+    from linear_ce.bench.config import Point
+    from linear_ce.bench.report import machine as machine_report
+    from linear_ce.bench.variants import describe_plan, plan_note
+
+    monkeypatch.setenv(machine.MEASURE_ENV, "process")
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0 if lay else 150.0))
+    point = Point(*BIG, "fp32", "cpu")
+    make_plan(*BIG, torch.float32, CPU, LinearCrossEntropyOptions())  # the warm-up's plan
+    plan = describe_plan(point)
+    assert (plan["rows_per_chunk"], plan["layout"]) == (128, "row-major")
+    assert plan["fixed_rule"]["rows_per_chunk"] == 256
+    assert set(plan["chunk_rates"]) == {
+        f"{b} {lay}" for b in (128, 192, 256) for lay in ("class", "row")
+    }
+    note = plan_note(plan)
+    assert note.startswith("16×128 rows, row-major, SameDtype (fixed rule: 8×256 rows, class-major")
+    assert "GFLOP/s 128:150 192:150 256:150" in note
+    info = machine_report()
+    assert info["cpu_flags"] == machine.machine_info()["flags"]
+    assert info["settings"][machine.MEASURE_ENV] == "process"
+
+
 # --- the same result under every choice ----------------------------------------------------
 
 
