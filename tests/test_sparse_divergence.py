@@ -434,9 +434,12 @@ def test_half_stored_logprobs_run_in_float32():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("beta", "mass"), [(0.0, "renormalize"), (0.5, "rest"), (1.0, "rest")])
-def test_half_student_within_twice_plain_error(dtype, beta, mass):
-    """Half student inputs, masked rows, ~100 chunks: within 2× the plain same-dtype
-    expression's error against float64 (or 3 eps of the dtype)."""
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "forced-upcast"])
+def test_half_student_within_twice_plain_error(monkeypatch, dtype, beta, mass, native):
+    """Half student inputs, masked rows, ~100 chunks, on both CPU GEMM paths
+    (``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the upcast one): within 2× the plain
+    same-dtype expression's error against float64 (or 3 eps of the dtype)."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
     _check(
         dtype,
         beta=beta,
@@ -446,6 +449,35 @@ def test_half_student_within_twice_plain_error(dtype, beta, mass):
         lp_dtype=torch.bfloat16,
         shape=dict(length=400, v=301, f=32, k=16),
     )
+
+
+def test_compile_and_vmap():
+    """Under ``torch.compile(fullgraph=True)`` (the slots are checked inside the op, so the
+    graph does not guard on their values) and ``vmap``: the eager results."""
+    x, w, _, ids, lp, t = _inputs(18, torch.float32)
+    lp = lp.float()
+    x.requires_grad_()
+
+    def step(x, w, ids, lp, t):
+        return sparse_divergence(x, w, ids, lp, t, beta=0.5, mass="rest")
+
+    eager = step(x, w, ids, lp, t)
+    (g_eager,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, ids, lp, t)
+    (g_compiled,) = torch.autograd.grad(compiled, x)
+    # The same op on the same values: only the graph around it differs.
+    assert rel_err(compiled, eager) <= 3 * eps(torch.float32)
+    assert rel_err(g_compiled, g_eager) <= 3 * eps(torch.float32)
+    batched = torch.func.vmap(lambda a, i, p: sparse_divergence(a, w, i, p, t[0], reduction="sum"))(
+        x.detach(), ids, lp
+    )
+    each = torch.stack(
+        [
+            sparse_divergence(x[i].detach(), w, ids[i], lp[i], t[0], reduction="sum")
+            for i in range(B)
+        ]
+    )
+    assert rel_err(batched, each) <= 3 * eps(torch.float32)
 
 
 #: aten's matrix products (``matmul`` and ``linear`` decompose into these before dispatch).
