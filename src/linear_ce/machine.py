@@ -49,9 +49,10 @@ its own GEMMs (:func:`worth_measuring`), on a CPU, outside ``torch.compile`` tra
 fake tensors, and without ``torch.distributed`` initialised (the ranks of a
 vocabulary-parallel call must plan the same chunks, and each would measure its own
 rates). Everywhere else the plan takes the **fallback**, the fixed rule: the budget's
-longest chunks, a class-major tile, the half path the CPU's flags promise, and
-``MIN_CLASS_BLOCK`` classes. Every choice changes how the work is split, never what is
-computed: results agree to rounding.
+longest chunks, a class-major tile, the half path the CPU's flags promise,
+``linear_ce.plan.HALF_TILE_STEP_ROWS`` rows per step and ``linear_ce.plan.MIN_CLASS_BLOCK``
+classes. Every choice changes how the work is split, never what is computed: results
+agree to rounding.
 
 Environment (read on every call; a bad value is a ``ValueError`` naming the variable):
 
