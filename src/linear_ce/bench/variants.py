@@ -392,8 +392,13 @@ def plan_note(plan: dict | None) -> str:
         ]
         if not all(quiet):
             text += " (unsteady: not used)"
-    if plan["half_speedup"]:
-        text += f"; half/fp32 GEMM {plan['half_speedup'][0]:.2f}×"
+    half = plan["half_speedup"]
+    if half:
+        from linear_ce import machine
+
+        text += f"; half/fp32 GEMM {half[0]:.2f}×"
+        if not (half[-2] <= 1 + machine.NOISE_LIMIT and half[-1] >= machine.MIN_BUSY):
+            text += " (unsteady: not used)"
     return text
 
 
