@@ -156,11 +156,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/linear_ce/ops/cross_entropy.py",
         (
             (
-                "    rows, in_features = call.input.shape\n    plan = make_plan(",
-                "    rows, in_features = call.input.shape\n"
+                "    grads = run_head(\n        call.input,",
                 '    if call.reduction == "none":\n'
                 "        options = LinearCrossEntropyOptions(chunking_method=None)\n"
-                "    plan = make_plan(",
+                "    grads = run_head(\n        call.input,",
             ),
         ),
         ("tests/test_memory_bounds.py", "-k", "none"),
@@ -176,6 +175,51 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
+    ),
+    Mutation(
+        "sequence objective: the loop cuts its own chunks (groups split)",
+        "src/linear_ce/ops/sequence_objective.py",
+        (("        chunks=[[c.rows for c in chunks]],\n", ""),),
+        ("tests/test_sequence_objective.py", "-k", "whole_groups"),
+    ),
+    Mutation(
+        'sequence objective: group="pairs" pairs neighbouring rows',
+        "src/linear_ce/engine/sequence_layout.py",
+        (
+            (
+                "        return torch.arange(sequences) % max(sequences // 2, 1)",
+                "        return torch.arange(sequences) // 2",
+            ),
+        ),
+        ("tests/test_objectives_builtin.py", "-k", "dpo-sigmoid and float64"),
+    ),
+    Mutation(
+        "sequence objective: a shift scores across packed sequences",
+        "src/linear_ce/engine/sequence_layout.py",
+        (("        scored &= same\n", ""),),
+        ("tests/test_sequence_objective.py", "-k", "random_packed"),
+    ),
+    Mutation(
+        "sequence objective: the four-GEMM path drops the entropy's gradient",
+        "src/linear_ce/ops/sequence_objective.py",
+        (
+            (
+                "target, layout.valid, spec.vocab.start, head.row_stats, per_row(g), per_row(h)",
+                "target, layout.valid, spec.vocab.start, head.row_stats, per_row(g), None",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "plain_formula and four_gemm"),
+    ),
+    Mutation(
+        "objectives: IPO without length normalisation",
+        "src/linear_ce/objectives.py",
+        (
+            (
+                "            return (phi_c / len_c - phi_r / len_r - 1 / (2 * beta)) ** 2",
+                "            return (phi_c - phi_r - 1 / (2 * beta)) ** 2",
+            ),
+        ),
+        ("tests/test_objectives_builtin.py", "-k", "dpo-ipo"),
     ),
 )
 

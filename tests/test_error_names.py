@@ -43,9 +43,16 @@ STUDENT = {
 }
 
 
-def _single_head(fn, *extra):
+# The vocab-parallel functions get their layout: without it they gather the shard sizes,
+# a collective, and on torch < 2.8 destroying a gloo group that ran one can deadlock
+# (its destructor joins gloo's threads holding the GIL; pytorch PR 154976). With it,
+# every case here fails before any collective.
+LAYOUT = {"vocab_start": 0, "num_classes": V}
+
+
+def _single_head(fn, *extra, **fixed):
     def call(input, linear_weight, target, **kwargs):
-        return fn(input, linear_weight, target, *extra, **kwargs)
+        return fn(input, linear_weight, target, *extra, **fixed, **kwargs)
 
     return call
 
@@ -54,14 +61,14 @@ def _vjp(input, linear_weight, target, **kwargs):
     return linear_ce.token_logprobs_vjp(input, linear_weight, target, torch.ones(N), None, **kwargs)
 
 
-def _divergence(fn):
+def _divergence(fn, **fixed):
     """The divergence with ``target`` as hard labels (``hard_weight > 0``): only then
     are its values class indices, checked against the vocabulary."""
 
     def call(input, linear_weight, target, **kwargs):
         kwargs = {STUDENT.get(k, k): v for k, v in kwargs.items()}
         teacher = (torch.randn(N, FT), torch.randn(V, FT))
-        return fn(input, linear_weight, *teacher, target, hard_weight=0.5, **kwargs)
+        return fn(input, linear_weight, *teacher, target, hard_weight=0.5, **fixed, **kwargs)
 
     return call
 
@@ -101,25 +108,25 @@ FUNCTIONS = {
         False,
     ),
     "vocab_parallel_linear_cross_entropy": (
-        _single_head(vocab_parallel_linear_cross_entropy),
+        _single_head(vocab_parallel_linear_cross_entropy, **LAYOUT),
         {},
         vocab_parallel_linear_cross_entropy,
         True,
     ),
     "vocab_parallel_token_logprobs": (
-        _single_head(vocab_parallel_token_logprobs),
+        _single_head(vocab_parallel_token_logprobs, **LAYOUT),
         {},
         vocab_parallel_token_logprobs,
         True,
     ),
     "vocab_parallel_token_objective": (
-        _single_head(vocab_parallel_token_objective, _objective),
+        _single_head(vocab_parallel_token_objective, _objective, **LAYOUT),
         {},
         vocab_parallel_token_objective,
         True,
     ),
     "vocab_parallel_linear_divergence": (
-        _divergence(vocab_parallel_linear_divergence),
+        _divergence(vocab_parallel_linear_divergence, **LAYOUT),
         STUDENT,
         vocab_parallel_linear_divergence,
         True,
@@ -240,17 +247,19 @@ def _params():
             yield pytest.param(function, case, marks=marks, id=f"{function}-{case}")
 
 
-@pytest.fixture
-def group_for(tmp_path, monkeypatch):
-    """Opens a one-process gloo group for a vocab-parallel function, closed afterwards."""
+@pytest.fixture(scope="module")
+def group_for(tmp_path_factory):
+    """Opens, for the first vocab-parallel function, a one-process gloo group that the
+    module's tests share, closed after the last (see LAYOUT)."""
     opened = []
 
     def open_for(function: str) -> None:
-        if FUNCTIONS[function][3] and not dist.is_initialized():
-            monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(
-                "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-            )
+        if FUNCTIONS[function][3] and not opened:
+            assert not dist.is_initialized(), "a process group leaked from another test"
+            store = tmp_path_factory.mktemp("group") / "store"
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("GLOO_SOCKET_IFNAME", "lo")
+                dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
             opened.append(True)
 
     yield open_for

@@ -10,7 +10,7 @@
 - Devices: a ``meta`` tensor is on another device than the CPU inputs, so it tests the device
   checks without a GPU.
 - The vocabulary pass's row-major tile (the layout of CUDA's ``out_dtype`` GEMM) forced on a CPU
-  by ``LINEAR_CE_VOCAB_TILE=row-major``, against float64.
+  by ``LINEAR_CE_TILE_LAYOUT=row-major``, against float64.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
+from linear_ce.engine import machine
 from linear_ce.losses.token_logprob import TokenLogprobGradient
 
 aten = torch.ops.aten
@@ -348,7 +349,7 @@ def _vocab_pass_case(dtype, softcap, layout, monkeypatch):
     the plain expression in ``dtype`` and float64's, and the tiles the vocabulary pass used;
     600 rows (a third ignored) of 12 features against 1100 classes, in groups of 64 rows."""
     if layout is not None:
-        monkeypatch.setenv("LINEAR_CE_VOCAB_TILE", layout)
+        monkeypatch.setenv(machine.TILE_LAYOUT_ENV, layout)
     tiles = []
     grad_block = TokenLogprobGradient.grad_block
 
@@ -407,7 +408,7 @@ def _vocab_pass_case(dtype, softcap, layout, monkeypatch):
 )
 @pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
 def test_row_major_vocab_tile_matches_float64(monkeypatch, dtype, native, softcap):
-    """``LINEAR_CE_VOCAB_TILE=row-major`` (the layout of CUDA's tile) on a CPU: every tile of
+    """``LINEAR_CE_TILE_LAYOUT=row-major`` (the layout of CUDA's tile) on a CPU: every tile of
     the backward's vocabulary pass is a dense row-major view, in several class blocks and row
     groups with a narrower last one of each, and every output and gradient is within 3 eps of
     float64, or 2x the plain same-dtype expression's own error where that is larger (for
@@ -426,14 +427,9 @@ def test_row_major_vocab_tile_matches_float64(monkeypatch, dtype, native, softca
 
 
 def test_vocab_tile_defaults_to_the_backends_layout(monkeypatch):
-    """Unset (or ``auto``) a CPU's tile is class-major, so the override above changes the
-    layout; any other value is an error naming the variable."""
+    """Unset, ``auto`` or forced ``class-major``, a CPU's vocabulary-pass tile is
+    class-major, so the row-major override above changes the layout."""
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
-    for layout in (None, "auto"):
+    for layout in (None, "auto", "class-major"):
         tiles = _vocab_pass_case(torch.float32, None, layout, monkeypatch)[3]
         assert tiles and all(stride == (1, shape[0]) for shape, stride in tiles), tiles
-    monkeypatch.setenv("LINEAR_CE_VOCAB_TILE", "column")
-    x, W, _, t = _token_inputs(11)
-    out = linear_ce.token_logprobs(x, W, t)
-    with pytest.raises(ValueError, match=r"LINEAR_CE_VOCAB_TILE must be row-major .* 'column'"):
-        out.logprob.sum().backward()

@@ -23,7 +23,7 @@ import sequence_formula as ref
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.engine.plan import DIRECT_SUM_MAX_CHUNKS, make_plan
-from linear_ce.ops.sequence_objective import GROUP_BUDGET_SHARE, _no_direct_sum_overflow
+from linear_ce.ops.sequence_objective import GROUP_BUDGET_FACTOR, _no_direct_sum_overflow
 
 P, T, FEAT, V = 3, 12, 8, 41
 S = 2 * P
@@ -638,25 +638,26 @@ def test_random_packed_layouts_and_groups(case):
 
 
 @pytest.mark.parametrize(("length", "passes"), [(300, 3.0), (600, 4.0)])
-def test_chunks_grow_to_hold_a_group_within_the_group_share(length, passes):
-    """The budget rule plans chunks of 256 rows here; a chunk may grow to hold a group of
-    300 tokens (its tiles within GROUP_BUDGET_SHARE of the gradients' bytes: up to 512
-    rows), not one of 600, which takes the four-GEMM path."""
+def test_chunks_grow_to_hold_a_group_within_the_group_share(length, passes, monkeypatch):
+    """A chunk may grow to hold a group while its tile takes at most GROUP_BUDGET_FACTOR
+    times the budget's share of the gradients' bytes, here 528 rows ((2048 + 64)·32·8
+    bytes · 2 · 0.25 / (64·8)); with the
+    machine's chunk choice forced to 128 rows, a group of 300 tokens grows its chunk (three
+    GEMMs), one of 600 takes the four-GEMM path."""
     rows, feat, classes = 2048, 32, 64
-    plans = [
-        make_plan(
-            rows,
-            feat,
-            classes,
-            torch.float64,
-            torch.device("cpu"),
-            LinearCrossEntropyOptions(),
-            share=share,
-            half_tile=False,
-        ).rows_per_chunk
-        for share in (None, GROUP_BUDGET_SHARE)
-    ]
-    assert plans == [256, 512]
+    monkeypatch.setenv("LINEAR_CE_CHUNK_ROWS", "128")
+    monkeypatch.delenv("LINEAR_CE_MEMORY_BUDGET", raising=False)
+    plan = make_plan(
+        rows,
+        feat,
+        classes,
+        torch.float64,
+        torch.device("cpu"),
+        LinearCrossEntropyOptions(),
+        half_tile=False,
+    )
+    assert plan.rows_per_chunk == 128
+    assert int(GROUP_BUDGET_FACTOR * 0.25 * (rows + classes) * feat * 8) // (classes * 8) == 528
     g = torch.Generator().manual_seed(12)
     x = torch.randn(rows, feat, generator=g, dtype=torch.float64)
     W = torch.randn(classes, feat, generator=g, dtype=torch.float64)

@@ -13,6 +13,10 @@ gradients. The teachers come from a dense teacher head restricted to its top-k.
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -430,9 +434,12 @@ def test_half_stored_logprobs_run_in_float32():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("beta", "mass"), [(0.0, "renormalize"), (0.5, "rest"), (1.0, "rest")])
-def test_half_student_within_twice_plain_error(dtype, beta, mass):
-    """Half student inputs, masked rows, ~100 chunks: within 2× the plain same-dtype
-    expression's error against float64 (or 3 eps of the dtype)."""
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "forced-upcast"])
+def test_half_student_within_twice_plain_error(monkeypatch, dtype, beta, mass, native):
+    """Half student inputs, masked rows, ~100 chunks, on both CPU GEMM paths
+    (``LINEAR_CE_NATIVE_HALF_GEMM=0`` forces the upcast one): within 2× the plain
+    same-dtype expression's error against float64 (or 3 eps of the dtype)."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
     _check(
         dtype,
         beta=beta,
@@ -442,6 +449,35 @@ def test_half_student_within_twice_plain_error(dtype, beta, mass):
         lp_dtype=torch.bfloat16,
         shape=dict(length=400, v=301, f=32, k=16),
     )
+
+
+def test_compile_and_vmap():
+    """Under ``torch.compile(fullgraph=True)`` (the slots are checked inside the op, so the
+    graph does not guard on their values) and ``vmap``: the eager results."""
+    x, w, _, ids, lp, t = _inputs(18, torch.float32)
+    lp = lp.float()
+    x.requires_grad_()
+
+    def step(x, w, ids, lp, t):
+        return sparse_divergence(x, w, ids, lp, t, beta=0.5, mass="rest")
+
+    eager = step(x, w, ids, lp, t)
+    (g_eager,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, ids, lp, t)
+    (g_compiled,) = torch.autograd.grad(compiled, x)
+    # The same op on the same values: only the graph around it differs.
+    assert rel_err(compiled, eager) <= 3 * eps(torch.float32)
+    assert rel_err(g_compiled, g_eager) <= 3 * eps(torch.float32)
+    batched = torch.func.vmap(lambda a, i, p: sparse_divergence(a, w, i, p, t[0], reduction="sum"))(
+        x.detach(), ids, lp
+    )
+    each = torch.stack(
+        [
+            sparse_divergence(x[i].detach(), w, ids[i], lp[i], t[0], reduction="sum")
+            for i in range(B)
+        ]
+    )
+    assert rel_err(batched, each) <= 3 * eps(torch.float32)
 
 
 #: aten's matrix products (``matmul`` and ``linear`` decompose into these before dispatch).
@@ -640,3 +676,27 @@ def test_float64_reference_own_error():
     assert rel_err(got_grad, exact[1]) <= max(
         16 * eps(torch.float64), 2 * rel_err(ref_grad, exact[1])
     )
+
+
+def test_example_runs_at_a_tiny_size(tmp_path):
+    """``examples/sparse_distillation.py`` end to end, small enough for CI: the teacher
+    trained and stored, both students trained, the plot and the summary written."""
+    script = pathlib.Path(__file__).parent.parent / "examples" / "sparse_distillation.py"
+    args = ["--teacher-steps", "2", "--teacher-hidden", "16", "--teacher-layers", "1"]
+    args += ["--steps", "3", "--hidden", "8", "--eval-every", "2", "--seq", "16", "--k", "4"]
+    args += ["--threads", "1", "--out", str(tmp_path / "plot.png")]
+    args += ["--store", str(tmp_path / "topk.pt")]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stored = torch.load(tmp_path / "topk.pt")
+    assert stored["ids"].dtype == torch.int32 and stored["logprobs"].dtype == torch.bfloat16
+    assert stored["ids"].shape[-2:] == (16, 4)
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert proc.stdout.splitlines()[2].startswith("held-out cross-entropy: teacher")

@@ -14,6 +14,7 @@ from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.outputs import LinearCrossEntropyOutput
 from linear_ce.sequence_objective import SequenceObjectiveOutput, sequence_objective
+from linear_ce.sparse_divergence import sparse_divergence
 from linear_ce.token_logprobs import (
     TokenLogprobs,
     token_logprobs,
@@ -33,6 +34,7 @@ __all__ = [
     "objectives",
     "reference",
     "sequence_objective",
+    "sparse_divergence",
     "token_logprobs",
     "token_logprobs_and_stats",
     "token_logprobs_vjp",

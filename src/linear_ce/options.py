@@ -51,9 +51,12 @@ class LinearCrossEntropyOptions:
             - ``"auto"`` (default): ``"budget"``.
             - ``"budget"`` / ``"budget:N"``: the largest chunk whose
               ``(chunk, V)`` scratch fits a memory budget of about a quarter of
-              the gradients' bytes (``/N``), rounded down to a multiple of 32
-              rows, at least 128 rows where that does not exceed N, so each
-              GEMM stays efficient.
+              the gradients' bytes (``/N``; the environment variable
+              ``LINEAR_CE_MEMORY_BUDGET`` sets the share), rounded down to a
+              multiple of 32 rows, at least 128 rows where that does not exceed
+              N, so each GEMM stays efficient; on a CPU, fp32/fp64 inputs take
+              fewer rows where this machine's GEMMs measure as fast with them
+              (:mod:`linear_ce.engine.machine`).
             - ``"aspect_ratio"`` / ``"aspect_ratio:N"``: torch's rule; the
               ``(chunk, V)`` logits take about as many bytes as the ``(N, F)``
               input (``/N``), rounded up to a power of two.

@@ -171,7 +171,7 @@ def sequence_objective(
 
     Groups are packed into chunks of the plan's size (:class:`LinearCrossEntropyOptions`;
     under the budget rule a chunk grows to hold the longest group while its tiles take at
-    most half the gradients' bytes). Where one group has more scored tokens than a chunk may
+    most twice the budget). Where one group has more scored tokens than a chunk may
     hold, the call takes a four-GEMM path: a statistics pass, the objective on every group,
     then the vocabulary pass; same results, no ``(N, V)`` tensor.
 

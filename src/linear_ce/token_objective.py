@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from linear_ce.checks.call import check_token_call
+from linear_ce.checks.targets import check_class_indices
 from linear_ce.engine.vocab import LocalVocab
 from linear_ce.ops.token_objective import objective_loss
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
@@ -92,9 +93,10 @@ def _objective(
         flags={"entropy": entropy},
         num_classes=None if shard is None else shard.total,
     )
+    vocab = LocalVocab(call.linear_weight.shape[0]) if shard is None else shard
+    check_class_indices(call.target, call.ignore_index, vocab.total, name)
     checked_side = _checked_side_inputs(side, target, input, name)
     options = resolve_options(options, name)
-    vocab = LocalVocab(call.linear_weight.shape[0]) if shard is None else shard
     return objective_loss(name, call, objective, entropy, checked_side, options, vocab)
 
 

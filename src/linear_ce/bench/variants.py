@@ -387,10 +387,20 @@ def plan_note(plan: dict | None) -> str:
             rows = int(key.split()[0])
             best[rows] = max(best.get(rows, 0.0), r[3])
         text += "; GFLOP/s " + " ".join(f"{b}:{best[b]:.0f}" for b in sorted(best))
-        if not all(r[-2] <= 1.05 and r[-1] >= 0.8 for r in rates.values()):
+        from linear_ce.engine import machine
+
+        quiet = [
+            r[-2] <= 1 + machine.NOISE_LIMIT and r[-1] >= machine.MIN_BUSY for r in rates.values()
+        ]
+        if not all(quiet):
             text += " (unsteady: not used)"
-    if plan["half_speedup"]:
-        text += f"; half/fp32 GEMM {plan['half_speedup'][0]:.2f}×"
+    half = plan["half_speedup"]
+    if half:
+        from linear_ce.engine import machine
+
+        text += f"; half/fp32 GEMM {half[0]:.2f}×"
+        if not (half[-2] <= 1 + machine.NOISE_LIMIT and half[-1] >= machine.MIN_BUSY):
+            text += " (unsteady: not used)"
     return text
 
 

@@ -28,8 +28,8 @@ not cached: the process takes the fallback below. The choices:
   spent on longer chunks that run no faster. fp32/fp64 inputs; half inputs keep the
   budget's longest chunks, since their weight-gradient sum pays a pass per chunk.
 - **tile layout** (:meth:`Tuning.class_major`): class-major (a ``(V, B)`` array used as its
-  transpose, so the logits GEMM is ``W·xᵀ``) or row-major, whichever ran the three GEMMs
-  faster at the chosen rows.
+  transpose, so the logits GEMM is ``W·xᵀ``), or row-major where that ran the three GEMMs
+  faster by more than ``TOLERANCE`` at the chosen rows.
 - **half tile step** (:meth:`Tuning.step_rows`): with native half GEMMs the chunk's
   logits live in a half tile whose fp32 math runs a step of rows at a time
   (:mod:`linear_ce.engine.chunk_loop`); the step is the largest candidate of ``STEP_CANDIDATES``
@@ -49,9 +49,10 @@ its own GEMMs (:func:`worth_measuring`), on a CPU, outside ``torch.compile`` tra
 fake tensors, and without ``torch.distributed`` initialised (the ranks of a
 vocabulary-parallel call must plan the same chunks, and each would measure its own
 rates). Everywhere else the plan takes the **fallback**, the fixed rule: the budget's
-longest chunks, a class-major tile, the half path the CPU's flags promise, and
-``MIN_CLASS_BLOCK`` classes. Every choice changes how the work is split, never what is
-computed: results agree to rounding.
+longest chunks, a class-major tile, the half path the CPU's flags promise,
+``linear_ce.engine.plan.HALF_TILE_STEP_ROWS`` rows per step and ``linear_ce.engine.plan.MIN_CLASS_BLOCK``
+classes. Every choice changes how the work is split, never what is computed: results
+agree to rounding.
 
 Environment (read on every call; a bad value is a ``ValueError`` naming the variable):
 
@@ -67,8 +68,8 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   inputs, the vocabulary pass, distillation's teacher) scales with it.
 - ``LINEAR_CE_CHUNK_ROWS``: a number of rows forces the rows-per-chunk choice (at most
   the budget's rows, as a measured choice would be); ``auto`` or unset: measured.
-- ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout;
-  ``auto`` or unset: measured.
+- ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout, the
+  vocabulary pass's too; ``auto`` or unset: measured (the vocabulary pass: the backend's).
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
   classes per block; ``auto`` or unset: measured.
 - ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
@@ -188,9 +189,12 @@ MIN_BUSY = 0.8
 #: measurement's flops, so measuring (once per process, and none once cached) costs at most
 #: this fraction of one call.
 MEASURE_RATIO = 8
-#: Native half GEMMs are taken where they run at least this multiple of the fp32 rate:
-#: no slower, since they also save the fp32 copies of the weight's blocks.
-HALF_MIN_SPEEDUP = 1.0
+#: Native half GEMMs are taken where they run at least this multiple of the fp32 rate: the
+#: native path also saves the fp32 path's conversions of the weight (two per chunk) and
+#: keeps longer chunks, so it wins at equal GEMM rates (fp16 on a Sapphire Rapids core,
+#: 175 against 176 GFLOP/s: a training step at 1.00× its floor against the fp32 path's
+#: 1.14×, one thread, CPU time); emulated half GEMMs run 10–100× slower.
+HALF_MIN_SPEEDUP = 0.85
 #: Bumped when what is measured changes; older cache files are then measured again.
 CACHE_VERSION = 2
 
@@ -757,10 +761,16 @@ class Tuning:
         chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
         return cap if chosen == candidates[-1] else chosen
 
+    def forced_class_major(self) -> bool | None:
+        """The layout ``LINEAR_CE_TILE_LAYOUT`` forces (``True``: class-major), else
+        ``None``: the vocabulary pass, whose layout is not measured, follows it too."""
+        return _forced_layout()
+
     def class_major(self, rows: int) -> bool:
         """The logits tile's layout for chunks of ``rows`` rows: ``LINEAR_CE_TILE_LAYOUT``,
-        else the layout whose three GEMMs ran faster at the candidate nearest below
-        ``rows``, else class-major."""
+        else class-major unless the three GEMMs ran faster by more than ``TOLERANCE``
+        row-major at the candidate nearest below ``rows`` (so rounds' noise does not flip
+        it), else class-major."""
         forced = _forced_layout()
         if forced is not None:
             return forced
@@ -770,7 +780,7 @@ class Tuning:
         rates = measured_rates(self.dtype, self.features, [b])
         if not all(_steady(r) for r in rates.values()):
             return True
-        return rates[(b, True)][3] >= rates[(b, False)][3]
+        return rates[(b, False)][3] <= (1 + TOLERANCE) * rates[(b, True)][3]
 
     def min_class_block(self, fallback: int) -> int:
         """The vocabulary pass's fewest classes per block: the smallest candidate up to

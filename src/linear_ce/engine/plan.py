@@ -415,7 +415,13 @@ def make_plan(
         rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
     else:
         rows_per_step = rows_per_chunk
-    if not (half or vocab_pass):
+    if vocab_pass:
+        # Not measured (the pass's tiles are every row by a block of classes), but a forced
+        # layout applies to it as to the chunk loop: so CUDA's row-major tile runs on a CPU.
+        forced = tuning.forced_class_major()
+        if forced is not None:
+            gemm = dataclasses.replace(gemm, class_major=forced)
+    elif not half:
         gemm = dataclasses.replace(gemm, class_major=tuning.class_major(rows_per_chunk))
     return Plan(
         rows_per_chunk=rows_per_chunk,

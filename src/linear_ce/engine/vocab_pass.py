@@ -20,16 +20,13 @@ stay large, and half inputs get a single rounding of it. Nothing grows with
 ``N·V``: the ``(rows, C)`` tile (one more for a softcap's derivative) is reused by
 every block.
 
-The tile is laid out as the GEMM backend's logits buffer: class-major on a CPU,
-row-major under CUDA's ``out_dtype`` GEMM. The environment variable
-``LINEAR_CE_VOCAB_TILE=row-major`` makes every backend use the row-major tile, so that
-layout (each block's and group's tile a dense view of one flat buffer) runs, and is
-tested, on a CPU; ``auto`` or unset means the backend's. It is read on every call.
+The tile is laid out as the plan's GEMM backend's logits buffer: class-major on a CPU,
+row-major under CUDA's ``out_dtype`` GEMM, or as ``LINEAR_CE_TILE_LAYOUT`` forces it
+(:mod:`linear_ce.engine.machine`; ``row-major`` runs CUDA's layout, each block's and group's
+tile a dense view of one flat buffer, on a CPU).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -45,9 +42,7 @@ from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, 
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.options import LinearCrossEntropyOptions
 
-__all__ = ["VOCAB_TILE_ENV", "run_vocab_pass", "vocab_pass_gradients"]
-
-VOCAB_TILE_ENV = "LINEAR_CE_VOCAB_TILE"
+__all__ = ["run_vocab_pass", "vocab_pass_gradients"]
 
 
 def vocab_pass_gradients(
@@ -111,7 +106,7 @@ def run_vocab_pass(
     groups = row_chunks(head.valid, group, device)
     # Flat storage, viewed per block in the backend's tile layout, so the last (narrower)
     # block and group get dense tiles too.
-    class_major = _class_major_tile(plan, device)
+    class_major = gemm.logits_buffer(2, 3, acc, device).stride(0) == 1
     tile_store = torch.empty(group * block, dtype=acc, device=device)
     sech2_store = torch.empty_like(tile_store) if transform.softcap is not None else None
     x_rows_buf, gx_rows_buf = gather_buffers(groups, group, input, acc, grad_input)
@@ -167,20 +162,6 @@ def run_vocab_pass(
         weight=grad_w,
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
-
-
-def _class_major_tile(plan: Plan, device: torch.device) -> bool:
-    """Whether the tile is class-major: as the backend's logits buffer, unless
-    ``LINEAR_CE_VOCAB_TILE=row-major`` (see the module doc)."""
-    value = os.environ.get(VOCAB_TILE_ENV, "auto").strip()
-    if value == "row-major":
-        return False
-    if value not in ("auto", ""):
-        raise ValueError(
-            f"{VOCAB_TILE_ENV} must be row-major (every backend uses the row-major tile) or "
-            f"auto (the GEMM backend's layout, the default), got {value!r}"
-        )
-    return plan.gemm.logits_buffer(2, 3, plan.acc_dtype, device).stride(0) == 1
 
 
 def _tile(store: torch.Tensor, rows: int, classes: int, class_major: bool) -> torch.Tensor:

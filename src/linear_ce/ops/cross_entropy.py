@@ -282,6 +282,10 @@ class _OnShard:
         return _rows(call, self.options, self.vocab, needs, grad_loss.contiguous())[3]
 
 
+class _CrossEntropyOnShard(OnVocab):
+    """The autograd node of the cross-entropy on a shard (named for it in autograd graphs)."""
+
+
 def cross_entropy_on_shard(
     call: Call,
     options: LinearCrossEntropyOptions,
@@ -292,4 +296,4 @@ def cross_entropy_on_shard(
     ``loss_dtype``; the same bodies as the ops, under :class:`OnVocab`."""
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
     run = _OnShard(call, options, vocab, needs, loss_dtype)
-    return OnVocab.apply(call.input, call.linear_weight, call.linear_bias, run)
+    return _CrossEntropyOnShard.apply(call.input, call.linear_weight, call.linear_bias, run)

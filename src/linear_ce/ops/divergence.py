@@ -194,9 +194,14 @@ class _OnShard:
         return run_divergence(args, self.vocab)[2]
 
 
+class _DivergenceOnShard(OnVocab):
+    """The autograd node of the distillation loss on shards (named for it in graphs)."""
+
+
 def divergence_on_shard(
     args: DivergenceArguments, vocab: Vocab
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, entropy)`` of ``args`` on shards ``vocab`` of both heads' vocabulary; the
     same bodies as the op, under :class:`OnVocab`."""
-    return OnVocab.apply(args.input, args.linear_weight, args.linear_bias, _OnShard(args, vocab))
+    run = _OnShard(args, vocab)
+    return _DivergenceOnShard.apply(args.input, args.linear_weight, args.linear_bias, run)

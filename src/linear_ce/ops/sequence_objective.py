@@ -1,7 +1,7 @@
 r"""The autograd of :func:`linear_ce.sequence_objective`: one pass, gradients in forward.
 
 Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens, grown
-up to ``GROUP_BUDGET_SHARE`` of the gradients' bytes for the longest group; the plan is
+up to ``GROUP_BUDGET_FACTOR`` times the budget for the longest group; the plan is
 made without a half tile, whose steps would hand the head part of a chunk), the
 chunk loop runs once over chunks of whole groups
 (:meth:`~linear_ce.engine.sequence_layout.SequenceLayout.chunks`) with
@@ -27,9 +27,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from linear_ce.checks.call import Call
+from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
+from linear_ce.engine.machine import memory_budget
 from linear_ce.engine.plan import (
+    BUDGET_SHARE,
     DIRECT_SUM_MAX_CHUNKS,
+    HALF_CPU_BUDGET_SHARE,
     Plan,
     acc_dtype_for,
     make_plan,
@@ -41,15 +45,17 @@ from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.losses.sequence_objective import Metrics, SequenceEvaluation, SequenceHead
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
 from linear_ce.ops.autograd import hand_over_gradients
-from linear_ce.options import LinearCrossEntropyOptions
+from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
-__all__ = ["GROUP_BUDGET_SHARE", "SequenceSpec", "sequence_objective_op"]
+__all__ = ["GROUP_BUDGET_FACTOR", "SequenceSpec", "sequence_objective_op"]
 
 #: A chunk may grow beyond the plan's to hold the longest group while its tiles take at most
-#: this share of the gradients' bytes (the budget rule's, :func:`linear_ce.engine.plan.choose_chunk_rows`):
-#: with the gradients themselves, 1.5× their bytes. Only the budget rule grows
-#: (``chunking_method`` ``"auto"``/``"budget[:N]"``); ``batch_chunk_size`` is a hard limit.
-GROUP_BUDGET_SHARE = 0.5
+#: this many times the budget rule's share of the gradients' bytes
+#: (:func:`linear_ce.engine.plan.choose_chunk_rows`): for fp32, half of them (with the gradients
+#: themselves, 1.5× their bytes). Only the budget rule grows (``chunking_method``
+#: ``"auto"``/``"budget[:N]"``, the share divided by ``N``); ``batch_chunk_size`` is a hard
+#: limit.
+GROUP_BUDGET_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,17 @@ def _no_direct_sum_overflow(plan: Plan, chunks: int) -> Plan:
     )
 
 
+def _share(input: torch.Tensor, acc: torch.dtype) -> float:
+    """The budget rule's share for this call's loop: half inputs with fp32 math on a CPU
+    hold fp32 tile rows against half gradients (no half tile here: its steps would hand the
+    head part of a chunk), so they take ``HALF_CPU_BUDGET_SHARE``, as the block-upcast path
+    does; otherwise ``BUDGET_SHARE``."""
+    half = input.dtype in HALF_DTYPES
+    if half and acc == torch.float32 and input.device.type == "cpu":
+        return HALF_CPU_BUDGET_SHARE
+    return BUDGET_SHARE
+
+
 def _plan(input: torch.Tensor, spec: SequenceSpec, tiles: int, **kwargs) -> Plan:
     """:func:`linear_ce.engine.plan.make_plan` for this call's rows and classes per process."""
     rows, in_features = input.shape
@@ -105,17 +122,34 @@ def _plan(input: torch.Tensor, spec: SequenceSpec, tiles: int, **kwargs) -> Plan
     )
 
 
+def _group_rows(
+    input: torch.Tensor, spec: SequenceSpec, plan: Plan, tiles: int, share: float
+) -> int:
+    """The most rows a chunk may grow to for a group under the budget rule: ``tiles`` tiles
+    within ``GROUP_BUDGET_FACTOR × share`` of the gradients' bytes (scaled as the plan's
+    budget by ``LINEAR_CE_MEMORY_BUDGET``), by memory alone (not the machine's choice of
+    the fastest chunk); ``plan.rows_per_chunk`` under ``batch_chunk_size`` or another rule."""
+    method, divisor = parse_chunking_method(spec.options.chunking_method)
+    if spec.options.batch_chunk_size is not None or method not in ("auto", "budget"):
+        return plan.rows_per_chunk
+    rows, in_features = input.shape
+    classes = spec.vocab.plan_classes
+    share = GROUP_BUDGET_FACTOR * share * (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
+    grad_bytes = (rows + classes) * in_features * input.dtype.itemsize
+    row_bytes = classes * plan.acc_dtype.itemsize * tiles
+    return max(plan.rows_per_chunk, int(share * grad_bytes / divisor) // max(row_bytes, 1))
+
+
 def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
     """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
     call, layout = spec.call, spec.layout
     tiles = tiles_for(spec.entropy, call.transform, any(spec.needs))
-    plan = _plan(input, spec, tiles, half_tile=False)
+    share = _share(input, acc)
+    plan = _plan(input, spec, tiles, share=share, half_tile=False)
     longest = layout.max_group_tokens
-    if longest > plan.rows_per_chunk:
-        roomy = _plan(input, spec, tiles, share=GROUP_BUDGET_SHARE, half_tile=False)
-        if longest <= roomy.rows_per_chunk:
-            # Chunks just long enough for the longest group, not the roomy plan's.
-            plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
+    if plan.rows_per_chunk < longest <= _group_rows(input, spec, plan, tiles, share):
+        # Chunks just long enough for the longest group.
+        plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
         return None

@@ -293,8 +293,13 @@ class _OnShard:
         return token_gradients(args, self.vocab)
 
 
+class _TokenLogprobsOnShard(OnVocab):
+    """The autograd node of the per-token outputs on a shard (named for them in graphs)."""
+
+
 def token_logprobs_on_shard(args: TokenArguments, vocab: Vocab) -> tuple[torch.Tensor, ...]:
     """``(logprob, entropy, top1, log_sum_sq_prob, mean_logit)`` of ``args`` on a
     vocabulary shard ``vocab`` (unasked statistics empty); the same bodies as the op,
     under :class:`OnVocab`."""
-    return OnVocab.apply(args.input, args.linear_weight, args.linear_bias, _OnShard(args, vocab))
+    run = _OnShard(args, vocab)
+    return _TokenLogprobsOnShard.apply(args.input, args.linear_weight, args.linear_bias, run)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from linear_ce.checks.call import Call
-from linear_ce.checks.targets import check_class_indices
 from linear_ce.engine.chunk_loop import Needs, run_head
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.vocab import Vocab
@@ -66,6 +65,10 @@ class _Objective:
         return Forward((head.total.to(acc),), grads)
 
 
+class _TokenObjective(OnVocab):
+    """The objective's autograd node (named for it in autograd graphs)."""
+
+
 def objective_loss(
     name: str,
     call: Call,
@@ -75,14 +78,14 @@ def objective_loss(
     options: LinearCrossEntropyOptions,
     vocab: Vocab,
 ) -> torch.Tensor:
-    """The objective summed over the valid tokens of a checked per-token ``call`` on
-    ``vocab``, with ``side`` inputs of the target's shape; errors name ``name``."""
-    check_class_indices(call.target, call.ignore_index, vocab.total, name)
+    """The objective summed over the valid tokens of a checked per-token ``call`` (its
+    class indices too) on ``vocab``, with ``side`` inputs of the target's shape; errors name
+    ``name``."""
     rows = call.input.shape[0]
     acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
     flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in side.items()}
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
     grad_mode = torch.is_grad_enabled()
     run = _Objective(name, call, objective, entropy, flat_side, options, needs, grad_mode, vocab)
-    (loss,) = OnVocab.apply(call.input, call.linear_weight, call.linear_bias, run)
+    (loss,) = _TokenObjective.apply(call.input, call.linear_weight, call.linear_bias, run)
     return loss
