@@ -281,16 +281,16 @@ def test_same_as_torch_builtin(dtype, policy, reduction):
     # V > F so the builtin really chunks instead of falling back to its reference path.
     x, W, b, w, t, up = _inputs(37, 8, 50, dtype, True, 1000, True, seed=6)
     args = (x, W, b, w, t, reduction, 1000, up)
+    try:
+        builtin = _builtin_options(batch_chunk_size=16, acc_policy=policy)
+    except ValueError as error:  # torch 2.14's builtin has no "balanced" policy
+        pytest.skip(f"torch {torch.__version__}'s builtin: {error}")
     ours = _run(
         linear_ce.linear_cross_entropy,
         *args,
         options=LinearCrossEntropyOptions(batch_chunk_size=16, acc_policy=policy),
     )
-    theirs = _run(
-        F.linear_cross_entropy,
-        *args,
-        options=_builtin_options(batch_chunk_size=16, acc_policy=policy),
-    )
+    theirs = _run(F.linear_cross_entropy, *args, options=builtin)
     # Both are within rounding of the exact value; their difference within twice that.
     tol = 6 * eps(dtype) if dtype in (torch.float16, torch.bfloat16) else 3 * eps(dtype)
     for name, a, c in zip(

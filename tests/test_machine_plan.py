@@ -343,8 +343,9 @@ def test_unwritable_cache_warns_once_and_measures_per_process(monkeypatch, tmp_p
 
 
 def test_real_measurement_is_sane():
-    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, a busy share in
-    (0, 1.5] (a little over 1 where the BLAS has a helper thread), both layouts, under
+    """The real thing at a tiny size: positive finite rates, a spread ≥ 1, a positive finite
+    busy share (no upper bound: BLAS helper threads and a loaded machine both push the process's
+    CPU time past wall × threads — 2.45 was seen under load), both layouts, under
     autocast (which must not turn the fp32 GEMMs into bf16 ones: a bf16 result of an fp32
     ``out=`` would raise)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -353,9 +354,9 @@ def test_real_measurement_is_sane():
     for values in rates.values():
         # A spread is infinite where a busy machine stopped the measurement after one round.
         assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values[:4])
-        assert values[4] >= 1.0 and 0 < values[5] <= 1.5
+        assert values[4] >= 1.0 and 0 < values[5] and math.isfinite(values[5])
     speedup, spread, busy = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
-    assert speedup > 0 and spread >= 1.0 and 0 < busy <= 1.5
+    assert speedup > 0 and spread >= 1.0 and 0 < busy and math.isfinite(busy)
 
 
 def test_a_busy_machine_stops_the_measurement_after_one_round(monkeypatch):

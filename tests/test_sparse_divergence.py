@@ -699,4 +699,4 @@ def test_example_runs_at_a_tiny_size(tmp_path):
     assert stored["ids"].dtype == torch.int32 and stored["logprobs"].dtype == torch.bfloat16
     assert stored["ids"].shape[-2:] == (16, 4)
     assert (tmp_path / "plot.png").stat().st_size > 0
-    assert proc.stdout.splitlines()[2].startswith("held-out cross-entropy: teacher")
+    assert proc.stdout.splitlines()[3].startswith("held-out cross-entropy: teacher")
