@@ -354,9 +354,9 @@ def test_real_measurement_is_sane():
     for values in rates.values():
         # A spread is infinite where a busy machine stopped the measurement after one round.
         assert len(values) == 6 and all(math.isfinite(v) and v > 0 for v in values[:4])
-        assert values[4] >= 1.0 and 0 < values[5] and math.isfinite(values[5])
+        assert values[4] >= 1.0 and values[5] > 0 and math.isfinite(values[5])
     speedup, spread, busy = machine._quietly(machine.half_speedup, torch.bfloat16, 64)
-    assert speedup > 0 and spread >= 1.0 and 0 < busy and math.isfinite(busy)
+    assert speedup > 0 and spread >= 1.0 and busy > 0 and math.isfinite(busy)
 
 
 def test_a_busy_machine_stops_the_measurement_after_one_round(monkeypatch):
