@@ -34,7 +34,14 @@ ALLOWED = {
     "sparse_divergence": _PUBLIC,
     "reference": {"checks", "engine", "outputs"},
     "module": {"functional", "options", "outputs"},
-    "distributed": {"functional", "token_logprobs", "token_objective", "divergence", "parallel"},
+    "distributed": {
+        "functional",
+        "token_logprobs",
+        "token_objective",
+        "divergence",
+        "sequence_objective",
+        "parallel",
+    },
 }
 #: Units above every other: they may import anything below them.
 TOP = {"__init__", "integrations", "bench"}

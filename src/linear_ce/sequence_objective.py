@@ -3,10 +3,11 @@ sequence-level policy losses) fused into the LM head."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from linear_ce.checks.call import check_token_call
 from linear_ce.checks.targets import check_class_indices
@@ -16,8 +17,15 @@ from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.sequence_objective import Metrics, SequenceBatch, sequence_dtype
 from linear_ce.ops.sequence_objective import SequenceSpec, sequence_objective_op
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import vocab_shard
 
-__all__ = ["SequenceObjectiveOutput", "sequence_objective", "sequence_objective_loss"]
+__all__ = [
+    "SequenceObjectiveOutput",
+    "sequence_objective",
+    "sequence_objective_loss",
+    "vocab_parallel_sequence_objective",
+]
 
 _NAME = "sequence_objective"
 _REDUCTIONS = ("mean", "sum")
@@ -122,7 +130,114 @@ def _check_objective(
                 )
 
 
+def vocab_parallel_sequence_objective(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    objective: Callable[[SequenceBatch], torch.Tensor],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    sequence: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    group: torch.Tensor | str | None = None,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    reduction: str = "mean",
+    options: LinearCrossEntropyOptions | None = None,
+    **side_inputs: torch.Tensor,
+) -> SequenceObjectiveOutput:
+    """:func:`linear_ce.sequence_objective` with the weight sharded along the vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input``, ``target``, layout, groups and side inputs. The row statistics are combined
+    as in :func:`vocab_parallel_token_logprobs` (two all_reduce per chunk of whole groups,
+    the entropy's sum riding in the SUM one), so every rank evaluates ``objective`` on the
+    same log-probabilities and gets the same loss, ``logprob_sum`` and metrics, equal to
+    ``sequence_objective`` on the full weight; every rank plans the same chunks (from
+    ``⌈V / world⌉`` classes), on the fused path or the four-GEMM fallback alike. The
+    gradients are computed in forward; one all_reduce sums the input gradient over the
+    group, and backward communicates nothing. ``vocab_start`` and ``num_classes`` place
+    this rank's shard (both, or neither: one all_gather of the shard sizes).
+
+    Example (DPO under ``torchrun``)::
+
+        >>> out = vocab_parallel_sequence_objective(
+        ...     hidden, shard, labels, obj.dpo(beta=0.1), shift=True, group="pairs",
+        ...     ref_logprob=ref,
+        ... )
+        >>> out.loss.backward()
+    """
+    name = "vocab_parallel_sequence_objective"
+    shard = vocab_shard(
+        name,
+        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
+        "linear_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+    )
+    return sequence_objective_loss(
+        name,
+        input,
+        linear_weight,
+        target,
+        objective,
+        sequence=sequence,
+        cu_seqlens=cu_seqlens,
+        group=group,
+        linear_bias=linear_bias,
+        ignore_index=ignore_index,
+        shift=shift,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        entropy=entropy,
+        reduction=reduction,
+        options=options,
+        side=side_inputs,
+        vocab=shard,
+    )
+
+
+def _losses_on_rank(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
+    """How many losses this rank's rows of a DTensor call average (the denominator of
+    ``reduction="mean"`` when a batch dimension is split): the groups for an objective of
+    one loss per group, the sequences for one of one loss per sequence."""
+    target, group = arguments["target"], arguments["group"]
+    per = getattr(arguments["objective"], "per", None)
+    sequences = target.shape[0]  # a padded batch (the only split layout): a row each
+    if per == "sequence" or group is None:
+        count = sequences
+    elif per == "group" and isinstance(group, str):
+        count = sequences // 2  # "pairs"; its check names an odd count
+    elif per == "group" and isinstance(group, torch.Tensor):
+        count = int(torch.unique(group).numel())
+    else:
+        raise ValueError(
+            f"{_NAME}: reduction='mean' over a batch split across ranks needs to know whether "
+            f"the objective returns a loss per group or per sequence, and {arguments['objective']!r} "
+            "does not say (a linear_ce.objectives.SequenceObjective does); pass "
+            "reduction='sum' and divide by the global count"
+        )
+    return torch.tensor(float(count), dtype=torch.float64, device=target.device)
+
+
 @torch.compiler.disable
+@accepts_dtensors(
+    rows=("input", "target", "group"),
+    heads=("linear_weight", "linear_bias"),
+    per_token_keywords=True,
+    vocab_parallel=vocab_parallel_sequence_objective,
+    mean=_losses_on_rank,
+    whole_sequences=("sequence", "cu_seqlens"),
+)
 def sequence_objective(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

@@ -39,8 +39,9 @@ _SHORT = {
 #: The heads a point can measure: the cross-entropy loss; per-token log-probabilities and
 #: entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both; a PPO/GRPO
 #: clipped policy-gradient step (:func:`linear_ce.token_objective`); distillation
-#: (:func:`linear_ce.linear_divergence`, a teacher head of the same shape).
-HEADS = ("ce", "logprobs", "objective", "divergence")
+#: (:func:`linear_ce.linear_divergence`, a teacher head of the same shape); a DPO step
+#: (:func:`linear_ce.sequence_objective`, pairs of 256-token sequences).
+HEADS = ("ce", "logprobs", "objective", "divergence", "dpo")
 
 
 @dataclasses.dataclass(frozen=True)

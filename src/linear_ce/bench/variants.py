@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
 
 __all__ = [
     "DEFAULT",
+    "DPO_VARIANTS",
     "SWEEP_ONLY",
     "VARIANTS",
     "Variant",
@@ -235,6 +237,76 @@ def _divergence(kind: str) -> Build:
                 per_token.mean().backward()
             else:
                 _plain_forward_kl(x, w, xt, wt, t).backward()
+
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
+        return call
+
+    return build
+
+
+# ----------------------------------------------------------------------------- DPO step
+
+#: Tokens per sequence of the DPO point (the issue's T = 256): N rows are N / 256
+#: sequences, chosen first, then rejected, the first quarter of each a prompt (ignored).
+DPO_SEQUENCE = 256
+_DPO_BETA = 0.1
+
+
+def _dpo_shape(point: Point) -> str | None:
+    if point.N % (2 * DPO_SEQUENCE):
+        return f"N must be a multiple of {2 * DPO_SEQUENCE} (pairs of {DPO_SEQUENCE} tokens)"
+    return None
+
+
+def _dpo_batch(
+    t: torch.Tensor, classes: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2B, T)`` targets with the prompts ignored and the reference's summed
+    log-probabilities ``(2B,)``, near the policy's (logits O(1): about ``-log V`` a token)."""
+    rows = t.reshape(-1, DPO_SEQUENCE).clone()
+    rows[:, : DPO_SEQUENCE // 4] = -100
+    gen = torch.Generator().manual_seed(4)
+    scored = (rows != -100).sum(1).double()
+    ref = scored * -math.log(classes) + torch.randn(
+        rows.shape[0], generator=gen, dtype=torch.float64
+    )
+    return rows, ref.to(t.device, dtype)
+
+
+def _dpo_loss(logprob_sum: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    chosen, rejected = (logprob_sum - ref).chunk(2)
+    return -F.logsigmoid(_DPO_BETA * (chosen - rejected)).mean()
+
+
+def _dpo(kind: str) -> Build:
+    """A DPO (sigmoid) step: the plain expression on the full logits, linear_ce's per-token
+    log-probabilities summed in torch (four GEMMs), or the fused sequence objective."""
+
+    def build(x, w, t):
+        rows, ref = _dpo_batch(t, w.shape[0], torch.float32 if x.dtype in HALF_DTYPES else x.dtype)
+        flat = rows.reshape(-1)
+
+        def call():
+            import linear_ce
+
+            if kind == "linear_ce":
+                linear_ce.sequence_objective(
+                    x.view(*rows.shape, x.shape[-1]),
+                    w,
+                    rows,
+                    linear_ce.objectives.dpo(_DPO_BETA),
+                    group="pairs",
+                    ref_logprob=ref,
+                ).loss.backward()
+                return
+            if kind == "logprobs":
+                lp = linear_ce.token_logprobs(x, w, flat).logprob
+            else:
+                lp, _ = _plain_logprobs(x, w, flat)
+            _dpo_loss(lp.reshape(rows.shape).to(ref.dtype).sum(1), ref).backward()
 
         def reset():
             x.grad = w.grad = None
@@ -642,6 +714,30 @@ VARIANTS: dict[str, Variant] = {
             "TRL's ChunkedDivergenceFunction(beta=0) on the valid rows, mean",
             ("divergence",),
         ),
+        Variant(
+            "dpo-plain",
+            "train",
+            _dpo("plain"),
+            _dpo_shape,
+            "DPO (sigmoid) on log_softmax of the full logits, summed per sequence",
+            ("dpo",),
+        ),
+        Variant(
+            "dpo-logprobs",
+            "train",
+            _dpo("logprobs"),
+            _dpo_shape,
+            "linear_ce.token_logprobs, summed per sequence and DPO in torch (4 GEMMs)",
+            ("dpo",),
+        ),
+        Variant(
+            "dpo-linear_ce",
+            "train",
+            _dpo("linear_ce"),
+            _dpo_shape,
+            "linear_ce.sequence_objective(objectives.dpo, group='pairs') (3 GEMMs)",
+            ("dpo",),
+        ),
     ]
 }
 
@@ -671,6 +767,10 @@ DEFAULT = (
     "divergence-linear_ce",
     "divergence-trl",
 )
+
+#: The DPO step's rows (``--heads dpo``), named with ``--variants`` (with the floors): kept out
+#: of :data:`DEFAULT`, whose runs measure every default row.
+DPO_VARIANTS = ("dpo-plain", "dpo-logprobs", "dpo-linear_ce")
 
 
 #: Measured at the swept points only, not at the extra (masked, per-token) ones: the

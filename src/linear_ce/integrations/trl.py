@@ -45,6 +45,13 @@ arguments and results (loss, the student's entropy sum, the number of valid posi
 computed by :func:`linear_ce.linear_divergence` on the completion positions only, with
 the student's gradients formed in forward inside TRL's gather of both heads.
 
+``DPOTrainer._compute_loss`` is replaced by
+:class:`linear_ce.integrations.trl_sequence.DPOLoss`: for every loss type but ``aot`` /
+``aot_unpaired``, and without WPO weighting or ``ld_alpha``, the policy's fused head computes
+the DPO loss itself with :func:`linear_ce.sequence_objective` (three GEMMs, gradients in the
+same pass); the other settings run TRL's own loss. That route does not log ``logits/*`` and
+``mean_token_accuracy`` (see :mod:`linear_ce.integrations.trl_sequence`).
+
 Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
 its own chunks (``options``). Under autocast with fp32 parameters the weight and input
 gradients come back rounded to the autocast dtype, as a bf16 ``lm_head`` call's do
@@ -87,6 +94,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
+from linear_ce.integrations.trl_sequence import DPO_MODULE, DPOLoss, check_dpo_loss, routed_head
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.token_logprobs import token_logprobs_and_stats, token_logprobs_vjp
 
@@ -236,6 +244,22 @@ class _FusedHead:
         logit_scale: float = 1.0,
         outputs: tuple[str, ...] = TRL_OUTPUTS,
     ) -> tuple[torch.Tensor | None, ...]:
+        routed = routed_head(
+            hidden,
+            weight,
+            bias,
+            targets,
+            _compute_dtype(hidden),
+            {
+                "temperature": float(temperature),
+                "logit_scale": float(logit_scale),
+                "softcap": None
+                if final_logit_softcapping is None
+                else float(final_logit_softcapping),
+            },
+        )
+        if routed is not None:  # the policy forward of a DPO step on linear_ce's DPO loss
+            return routed
         return TokenLogprobsFunction.apply(
             hidden,
             weight,
@@ -361,6 +385,7 @@ _SWAPS = (
     _Swap(_UTILS, "_ChunkedLogProbFunction", _check_logprob_function, _FusedHead),
     _compaction(_UTILS),
     _Swap(_DISTILLATION, "_chunked_divergence_loss", _check_divergence_loss, _DistillationLoss),
+    _Swap(DPO_MODULE, "DPOTrainer._compute_loss", check_dpo_loss, DPOLoss),
 )
 
 _PATCH = "linear_ce.integrations.trl.patch"
@@ -396,12 +421,23 @@ def _import_trl() -> str:
     return getattr(trl, "__version__", "unknown")
 
 
+def _owner(module: str, name: str) -> tuple[object, str]:
+    """Where ``module``'s attribute ``name`` lives (``"Class.method"``: on the class)."""
+    owner: object = importlib.import_module(module)
+    *path, attribute = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attribute
+
+
 def _missing_attribute(swap: _Swap) -> str | None:
     try:
-        module = importlib.import_module(swap.module)
+        owner, attribute = _owner(swap.module, swap.name)
     except ImportError as error:
         return f"{swap.module} cannot be imported ({error})"
-    if not hasattr(module, swap.name):
+    except AttributeError:
+        return f"{swap.module}.{swap.name} is missing"
+    if not hasattr(owner, attribute):
         return f"{swap.module}.{swap.name} is missing"
     return None
 
@@ -416,9 +452,7 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
     version = _import_trl()
     problems = []
     for swap in _SWAPS:
-        problem = _missing_attribute(swap) or swap.check(
-            getattr(importlib.import_module(swap.module), swap.name)
-        )
+        problem = _missing_attribute(swap) or swap.check(getattr(*_owner(swap.module, swap.name)))
         if problem is not None:
             problems.append(problem)
     if problems:
@@ -428,11 +462,14 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
             "(pip install 'linear-ce[trl]') or leave TRL unpatched."
         )
     for swap in _SWAPS:
-        module = importlib.import_module(swap.module)
+        owner, attribute = _owner(swap.module, swap.name)
         replacement = swap.make(options)
-        _originals[swap.module, swap.name] = getattr(module, swap.name)
+        original = getattr(owner, attribute)
+        if isinstance(replacement, DPOLoss):
+            replacement.original = original  # the calls it leaves on TRL's route
+        _originals[swap.module, swap.name] = original
         _installed[swap.module, swap.name] = replacement
-        setattr(module, swap.name, replacement)
+        setattr(owner, attribute, replacement)
 
 
 def _restore() -> None:
@@ -441,9 +478,9 @@ def _restore() -> None:
     warning, and ours is forgotten."""
     covered = []
     for key, replacement in _installed.items():
-        module = importlib.import_module(key[0])
-        if getattr(module, key[1], None) is replacement:
-            setattr(module, key[1], _originals[key])
+        owner, attribute = _owner(*key)
+        if getattr(owner, attribute, None) is replacement:
+            setattr(owner, attribute, _originals[key])
         else:
             covered.append(".".join(key))
     _installed.clear()

@@ -83,7 +83,9 @@ class _Roles:
     too. ``heads``: ``(V, ...)`` arguments, split along the vocabulary together. ``whole``:
     arguments every rank needs whole (class weights). ``vocab_parallel``: the function's
     vocab-parallel front, for a vocabulary-split head. ``mean``: the local denominator of
-    ``reduction="mean"``, for functions with a ``reduction`` argument.
+    ``reduction="mean"``, for functions with a ``reduction`` argument. ``whole_sequences``:
+    for a function of whole sequences, its packed-layout arguments (see
+    :func:`accepts_dtensors`).
     """
 
     rows: tuple[str, ...]
@@ -92,6 +94,7 @@ class _Roles:
     per_token_keywords: bool
     vocab_parallel: Callable[..., Any] | None
     mean: MeanDenominator | None
+    whole_sequences: tuple[str, ...] | None
 
 
 def accepts_dtensors(
@@ -102,6 +105,7 @@ def accepts_dtensors(
     per_token_keywords: bool = False,
     vocab_parallel: Callable[..., Any] | None = None,
     mean: MeanDenominator | None = None,
+    whole_sequences: tuple[str, ...] | None = None,
 ) -> Callable[[FunctionT], FunctionT]:
     """Let a public function take DTensor arguments (see the module doc for the rules).
 
@@ -117,8 +121,13 @@ def accepts_dtensors(
         mean: the local denominator of ``reduction="mean"``, for a function with a
             ``reduction`` argument; its rows split over ranks then run ``"sum"``, and the
             scalar results are divided by the global denominator.
+        whole_sequences: the function's loss is one of whole sequences (a row of a padded
+            ``(B, T, ...)`` input each; these arguments lay out packed ones): rows may be
+            split only along the batch dimension of a padded input, never along the
+            sequence, nor while a packed-layout argument is given, since a split sequence
+            would be scored in pieces. ``None``: any batch or sequence split.
     """
-    roles = _Roles(rows, heads, whole, per_token_keywords, vocab_parallel, mean)
+    roles = _Roles(rows, heads, whole, per_token_keywords, vocab_parallel, mean, whole_sequences)
 
     def decorate(function: FunctionT) -> FunctionT:
         signature = inspect.signature(function)
@@ -304,7 +313,41 @@ def _mesh_layout(
             )
         if d != vocab_dim:
             row_dims[d] = split
+    if roles.whole_sequences is not None and row_dims:
+        _check_whole_sequences(name, mesh, roles, arguments, row_dims, batch_ndim)
     return _Layout(mesh, vocab_dim, row_dims, batch_ndim)
+
+
+def _check_whole_sequences(
+    name: str,
+    mesh: DeviceMesh,
+    roles: _Roles,
+    arguments: Mapping[str, Any],
+    row_dims: dict[int, int],
+    batch_ndim: int,
+) -> None:
+    """A function of whole sequences: the rows may be split only by whole sequences, i.e.
+    along the batch dimension of a padded ``(B, T, ...)`` input."""
+    input_arg = roles.rows[0]
+    shape = tuple(arguments[input_arg].shape)
+    packed = [arg for arg in roles.whole_sequences or () if arguments.get(arg) is not None]
+    for d, split in row_dims.items():
+        if batch_ndim < 2 or split != 0:
+            _fail(
+                name,
+                f"{input_arg} of shape {shape} is split along dimension {split} on "
+                f"{_mesh_dim(mesh, d)}, which cuts its sequences across ranks; a sequence "
+                "loss needs each sequence whole on one rank: split the batch dimension of a "
+                f"padded (B, T, {shape[-1]}) input, or gather the sequence dimension first "
+                "(redistribute it to Replicate())",
+            )
+        if packed:
+            _fail(
+                name,
+                f"{input_arg} is split on {_mesh_dim(mesh, d)} while {', '.join(packed)} lays "
+                "out packed sequences, which a split could cut; split a padded batch (one "
+                "sequence per row), or replicate the input",
+            )
 
 
 # ----------------------------------------------------------------------------- to this rank
@@ -346,8 +389,8 @@ def _to_rows(value: torch.Tensor, layout: _Layout) -> torch.Tensor:
     wanted = layout.row_placements()
     mesh = layout.mesh
     if not isinstance(value, DTensor):
-        if all(p.is_replicate() for p in wanted):
-            return value
+        if all(p.is_replicate() for p in wanted) or value.dim() == 0:
+            return value  # a 0-d side input is one value for every row
         value = DTensor.from_local(value, mesh, (Replicate(),) * mesh.ndim, run_check=False)
     if tuple(value.placements) != wanted:
         value = value.redistribute(mesh, wanted)
@@ -406,7 +449,7 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def _outputs(result: Any) -> list[torch.Tensor | None]:
+def _outputs(result: Any) -> list[Any]:
     if isinstance(result, torch.Tensor):
         return [result]
     return list(result)
@@ -419,11 +462,13 @@ def _rebuild(result: Any, values: list[Any]) -> Any:
 
 
 def _reduce_scalars(
-    outputs: list[torch.Tensor | None], layout: _Layout, denominator: torch.Tensor | None
-) -> list[torch.Tensor | None]:
+    outputs: list[Any], layout: _Layout, denominator: torch.Tensor | None
+) -> list[Any]:
     """Sum the scalar outputs over the ranks that split the rows (one all_reduce per such
     mesh dimension, the denominator of a "mean" riding along) and divide by it."""
-    scalars = [i for i, out in enumerate(outputs) if out is not None and out.dim() == 0]
+    scalars = [
+        i for i, out in enumerate(outputs) if isinstance(out, torch.Tensor) and out.dim() == 0
+    ]
     if not scalars or not layout.row_dims:
         return outputs
     shares = [outputs[i].to(torch.float64) for i in scalars]
@@ -574,5 +619,9 @@ def _on_mesh(
     input_shape = tuple(arguments[input_arg].shape)
     return _rebuild(
         result,
-        [None if out is None else _to_dtensor(out, layout, input_shape) for out in outputs],
+        # A non-tensor output (a dict of logged metrics) stays this rank's.
+        [
+            _to_dtensor(out, layout, input_shape) if isinstance(out, torch.Tensor) else out
+            for out in outputs
+        ],
     )
