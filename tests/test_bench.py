@@ -33,7 +33,7 @@ def test_report_end_to_end(tmp_path):
             "--ignored",
             "0.5",
             "--heads",
-            "ce,logprobs,objective,divergence",
+            "ce,logprobs,objective,divergence,sparse",
             "--plot",
             str(plot),
             "--json",
@@ -65,6 +65,7 @@ def test_report_end_to_end(tmp_path):
         (64, "bf16", "logprobs", 0.0),
         (64, "bf16", "objective", 0.0),
         (64, "bf16", "divergence", 0.0),
+        (64, "bf16", "sparse", 0.0),
     }
     for point in data["points"]:
         # Each point measures the variants of its head (the floors serve every head); the
@@ -94,6 +95,7 @@ def test_report_end_to_end(tmp_path):
                 "divergence-linear_ce",
                 "divergence-trl",
             ],
+            ("sparse", False): [*floors, "sparse-plain", "sparse-linear_ce"],
         }[(point["head"], point["ignored"] > 0)]
         assert [row["variant"] for row in point["rows"]] == expected
         if point["head"] != "ce" or point["ignored"]:
@@ -102,7 +104,7 @@ def test_report_end_to_end(tmp_path):
                 if name.startswith("logprobs-trl") and importlib.util.find_spec("trl") is None:
                     assert rows[name]["seconds"] is None, rows[name]
                 elif (
-                    name.startswith(("logprobs-", "objective-", "divergence-l"))
+                    name.startswith(("logprobs-", "objective-", "divergence-l", "sparse-"))
                     or name == "linear_ce"
                 ):
                     assert rows[name]["seconds"] > 0, rows[name]

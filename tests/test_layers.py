@@ -40,6 +40,7 @@ ALLOWED = {
         "token_objective",
         "divergence",
         "sequence_objective",
+        "sparse_divergence",
         "parallel",
     },
 }

@@ -36,8 +36,11 @@ the same chunks):
   not given (see :func:`shard_layout` to do it once and pass the result).
 
 :func:`vocab_parallel_token_logprobs` and :func:`vocab_parallel_token_objective` do the same
-for the per-token heads, :func:`vocab_parallel_sequence_objective` for losses of whole
-sequences (chunks of whole groups, the same two all_reduce per chunk). DTensor arguments of the public functions reach these functions
+for the per-token heads (``topk=k``: one all_gather of each rank's ``(N, k)`` candidates
+and one of their ids, after the loop), :func:`vocab_parallel_sequence_objective` for losses
+of whole sequences (chunks of whole groups, the same two all_reduce per chunk),
+:func:`vocab_parallel_sparse_divergence` for a stored teacher's top-k (its support split
+across the shards). DTensor arguments of the public functions reach these functions
 through :mod:`linear_ce.parallel.dtensor`.
 
 Only ``torch.distributed`` collectives are used, so any backend that
@@ -54,6 +57,7 @@ from linear_ce.divergence import vocab_parallel_linear_divergence
 from linear_ce.functional import vocab_parallel_linear_cross_entropy
 from linear_ce.parallel.shard import VocabShard, shard_layout
 from linear_ce.sequence_objective import vocab_parallel_sequence_objective
+from linear_ce.sparse_divergence import vocab_parallel_sparse_divergence
 from linear_ce.token_logprobs import vocab_parallel_token_logprobs
 from linear_ce.token_objective import vocab_parallel_token_objective
 
@@ -63,6 +67,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_linear_divergence",
     "vocab_parallel_sequence_objective",
+    "vocab_parallel_sparse_divergence",
     "vocab_parallel_token_logprobs",
     "vocab_parallel_token_objective",
 ]

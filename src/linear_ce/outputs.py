@@ -28,7 +28,10 @@ class TokenLogprobs(NamedTuple):
 
     ``logprob``, ``entropy``, ``log_sum_sq_prob`` and ``mean_logit`` are in the
     accumulation dtype (float32 for float16/bfloat16 inputs, float64 for float64);
-    ``top1`` is bool. A field that was not asked for is ``None``.
+    ``top1`` is bool. ``topk_logprobs`` (accumulation dtype) and ``topk_ids`` (int64)
+    have one more dimension, of ``k`` (``topk=k``): each token's ``k`` largest
+    log-probabilities in descending order and their token ids, ``-inf`` and ``-1`` at an
+    ignored token. A field that was not asked for is ``None``.
     """
 
     logprob: torch.Tensor
@@ -36,3 +39,5 @@ class TokenLogprobs(NamedTuple):
     top1: torch.Tensor | None
     log_sum_sq_prob: torch.Tensor | None = None
     mean_logit: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None

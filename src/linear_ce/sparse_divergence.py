@@ -6,15 +6,28 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 
 from linear_ce.checks.call import Call, Caller, check_token_call
 from linear_ce.checks.divergence import check_distillation
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.schema import PlanOptions
-from linear_ce.ops.sparse_divergence import SCHEMA, SparseDivergenceArguments, sparse_divergence_op
+from linear_ce.ops.sparse_divergence import (
+    SCHEMA,
+    SparseDivergenceArguments,
+    sparse_divergence_on_shard,
+    sparse_divergence_op,
+)
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
+from linear_ce.parallel.shard import vocab_shard
 
-__all__ = ["MASS_TREATMENTS", "SparseDivergenceCall", "check_sparse_call", "sparse_divergence"]
+__all__ = [
+    "MASS_TREATMENTS",
+    "SparseDivergenceCall",
+    "check_sparse_call",
+    "sparse_divergence",
+    "vocab_parallel_sparse_divergence",
+]
 
 _NAME = "sparse_divergence"
 #: How the teacher's probability outside its top-k is treated (see ``sparse_divergence``).
@@ -274,9 +287,16 @@ def sparse_divergence(
         reduction=reduction,
         hard_weight=hard_weight,
     )
+    loss = sparse_divergence_op(*SCHEMA.flatten(_arguments(checked, options, _NAME)))[0]
+    return _result(loss, checked)
+
+
+def _arguments(
+    checked: SparseDivergenceCall, options: LinearCrossEntropyOptions | None, name: str
+) -> SparseDivergenceArguments:
     call = checked.call
-    options = resolve_options(options, _NAME)
-    arguments = SparseDivergenceArguments(
+    options = resolve_options(options, name)
+    return SparseDivergenceArguments(
         call.input,
         call.linear_weight,
         call.linear_bias,
@@ -290,12 +310,95 @@ def sparse_divergence(
         checked.hard_weight,
         call.transform,
         checked.target_temperature,
-        reduction,
+        checked.reduction,
         PlanOptions.of(options),
         options.allow_retain_graph,
         Needs.of(call.input, call.linear_weight, call.linear_bias),
+        name,
     )
-    loss = sparse_divergence_op(*SCHEMA.flatten(arguments))[0]
-    if reduction == "none":
-        loss = loss.view(call.loss_shape)
-    return loss
+
+
+def _result(loss: torch.Tensor, checked: SparseDivergenceCall) -> torch.Tensor:
+    return loss.view(checked.call.loss_shape) if checked.reduction == "none" else loss
+
+
+def vocab_parallel_sparse_divergence(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_classes: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    beta: float = 0.0,
+    mass: str = "renormalize",
+    temperature: float = 1.0,
+    target_temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool | int = False,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    options: LinearCrossEntropyOptions | None = None,
+) -> torch.Tensor:
+    """:func:`linear_ce.sparse_divergence` with the student's head sharded along the
+    vocabulary.
+
+    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
+    ``input``, teacher slots (ids of the whole vocabulary) and ``target``; every rank gets
+    the same loss, equal to ``sparse_divergence`` on the full head. The teacher's support
+    is split across the shards: each rank reads the slots whose ids lie in its slice.
+    Per chunk of valid rows: one all_reduce MAX (the row max), one all_reduce SUM of the
+    row sums (the normaliser, the student's mass outside the support where it is needed)
+    and one more SUM of the slots' sums, which need the normaliser; "none" repeats them in
+    backward; one all_reduce of the input gradient.
+
+    Example (under ``torchrun``)::
+
+        >>> loss = vocab_parallel_sparse_divergence(
+        ...     hidden, shard, top_ids, top_logprobs, labels, shift=True
+        ... )
+    """
+
+    name = "vocab_parallel_sparse_divergence"
+    shard = vocab_shard(
+        name,
+        dict(
+            input=input,
+            linear_weight=linear_weight,
+            target_ids=target_ids,
+            target_logprobs=target_logprobs,
+            target=target,
+            linear_bias=linear_bias,
+        ),
+        "linear_weight",
+        process_group,
+        vocab_start,
+        num_classes,
+    )
+    checked = check_sparse_call(
+        name,
+        input,
+        linear_weight,
+        target_ids,
+        target_logprobs,
+        target,
+        linear_bias=linear_bias,
+        beta=beta,
+        mass=mass,
+        temperature=temperature,
+        target_temperature=target_temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        shift=shift,
+        reduction=reduction,
+        hard_weight=hard_weight,
+        num_classes=shard.total,
+    )
+    loss = sparse_divergence_on_shard(_arguments(checked, options, name), shard)
+    return _result(loss, checked)

@@ -56,16 +56,32 @@ def _arguments(
 
 def _result(outputs: tuple[torch.Tensor, ...], call: Call, asked: TokenOutputs) -> TokenLogprobs:
     """The :class:`TokenLogprobs` of ``(logprob, entropy, top1, log_sum_sq_prob,
-    mean_logit)``, in the target's shape; the outputs not asked for are ``None``."""
-    logprob, entropy, top1, sq, mean = outputs
+    mean_logit, topk_logprobs, topk_ids)``, in the target's shape (the top-k with one more
+    dimension of ``k``); the outputs not asked for are ``None``."""
+    logprob, entropy, top1, sq, mean, topk_logprobs, topk_ids = outputs
     shape = call.loss_shape
+    topk_shape = (*shape, asked.topk)
     return TokenLogprobs(
         logprob.view(shape),
         entropy.view(shape) if asked.entropy else None,
         top1.view(shape) if asked.top1 else None,
         sq.view(shape) if asked.log_sum_sq_prob else None,
         mean.view(shape) if asked.mean_logit else None,
+        topk_logprobs.view(topk_shape) if asked.topk else None,
+        topk_ids.view(topk_shape) if asked.topk else None,
     )
+
+
+def _check_topk(name: str, topk: int | None, classes: int) -> int:
+    """``topk`` as the op's count (0: none asked), or an error naming ``name``."""
+    if topk is None:
+        return 0
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= classes:
+        raise ValueError(
+            f"{name}: topk must be None or an int in [1, {classes}] (the number of classes), "
+            f"got {topk!r}"
+        )
+    return topk
 
 
 def vocab_parallel_token_logprobs(
@@ -87,6 +103,7 @@ def vocab_parallel_token_logprobs(
     top1_rule: str = "unique",
     log_sum_sq_prob: bool = False,
     mean_logit: bool = False,
+    topk: int | None = None,
     options: LinearCrossEntropyOptions | None = None,
 ) -> TokenLogprobs:
     """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
@@ -97,7 +114,10 @@ def vocab_parallel_token_logprobs(
     collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
     rows in forward; backward uses the forward's row statistics and needs only one
     all_reduce, of the input gradient); the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
-    the same SUM all_reduce.
+    the same SUM all_reduce. With ``topk=k`` each rank keeps its shard's ``k`` largest
+    per token and, after the loop, one all_gather of the ``(N, k)`` values and one of
+    their ids merges them exactly: the same values as ``token_logprobs`` on the full
+    weight (equal values ordered by id).
 
     Example (under ``torchrun``)::
 
@@ -134,7 +154,9 @@ def vocab_parallel_token_logprobs(
         num_classes=shard.total,
     )
     check_top1_rule(name, top1_rule)
-    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
+    asked = TokenOutputs(
+        entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, _check_topk(name, topk, shard.total)
+    )
     arguments = _arguments(call, asked, options, Needs(False, False, False))
     return _result(token_logprobs_on_shard(arguments, shard), call, asked)
 
@@ -160,6 +182,7 @@ def token_logprobs(
     top1_rule: str = "unique",
     log_sum_sq_prob: bool = False,
     mean_logit: bool = False,
+    topk: int | None = None,
     options: LinearCrossEntropyOptions | None = None,
 ) -> TokenLogprobs:
     r"""Log-probability of each target token, and optionally the entropy, top-1, the log
@@ -187,8 +210,16 @@ def token_logprobs(
     ``log_sum_sq_prob`` and ``mean_logit`` are statistics without a gradient (as
     ``top1``): differentiating one, alone or inside a loss, raises a ``RuntimeError`` in
     backward (use ``.detach()`` where it enters a loss).
+    ``topk=k`` also returns each token's ``k`` largest log-probabilities
+    (``topk_logprobs``, descending, in the accumulation dtype) and their token ids
+    (``topk_ids``, int64): ``torch.log_softmax(s, -1).topk(k)``, from one ``torch.topk``
+    of each chunk's logits tile (equal values: torch.topk's choice among them, which
+    torch does not order; vocab-parallel, a stable merge of the shards' candidates).
+    They have no gradient: differentiating ``topk_logprobs`` raises in backward, as for
+    ``log_sum_sq_prob``.
     Tokens whose target is ``ignore_index`` take part in no GEMM; their outputs are
-    ``0`` / ``False`` and their gradient is zero.
+    ``0`` / ``False`` and their gradient is zero; their top-k slots are ``-inf`` with id
+    ``-1`` (the empty slot of :func:`linear_ce.sparse_divergence`).
 
     Args:
         input: ``(*, F)`` hidden states.
@@ -210,10 +241,14 @@ def token_logprobs(
         log_sum_sq_prob: also return :math:`\log \sum_v p_v^2` (not differentiable).
         mean_logit: also return the mean of the transformed logits :math:`s` over the
             vocabulary (not differentiable).
+        topk: ``None``, or an int ``k`` in ``[1, V]``: also return the ``k`` largest
+            log-probabilities of each token and their ids, each ``(*target.shape, k)``
+            (not differentiable).
         options: :class:`LinearCrossEntropyOptions` (chunking, precision).
 
     Returns:
-        :class:`TokenLogprobs` ``(logprob, entropy, top1, log_sum_sq_prob, mean_logit)``.
+        :class:`TokenLogprobs` ``(logprob, entropy, top1, log_sum_sq_prob, mean_logit,
+        topk_logprobs, topk_ids)``.
 
     Example (a policy-gradient loss with an entropy bonus)::
 
@@ -241,6 +276,7 @@ def token_logprobs(
         top1_rule=top1_rule,
         log_sum_sq_prob=log_sum_sq_prob,
         mean_logit=mean_logit,
+        topk=topk,
         options=options,
     )[0]
 
@@ -261,6 +297,7 @@ def token_logprobs_and_stats(
     top1_rule: str = "unique",
     log_sum_sq_prob: bool = False,
     mean_logit: bool = False,
+    topk: int | None = None,
     options: LinearCrossEntropyOptions | None = None,
 ) -> tuple[TokenLogprobs, torch.Tensor]:
     """:func:`token_logprobs` (same arguments, plain tensors only) and the per-row
@@ -296,12 +333,15 @@ def token_logprobs_and_stats(
         },
     )
     check_top1_rule(_NAME, top1_rule)
-    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit)
+    classes = call.linear_weight.shape[0]
+    asked = TokenOutputs(
+        entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, _check_topk(_NAME, topk, classes)
+    )
     options = resolve_options(options, _NAME)
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
     logprob, row_stats, *statistics = token_rows(
         *SCHEMA.flatten(_arguments(call, asked, options, needs))
-    )[:6]
+    )[:8]
     return _result((logprob, *statistics), call, asked), row_stats.detach()
 
 

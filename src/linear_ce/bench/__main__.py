@@ -67,8 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what is computed: 'ce' (the loss; every shape and the sweep), 'logprobs' "
         "(per-token log-probabilities and entropy with upstream gradients on both) and "
         "'objective' (a clipped policy-gradient step), 'divergence' (distillation: forward "
-        "KL to a teacher head of the same shape, against a four-GEMM floor), the last three "
-        "at the first shape in the first dtype (default ce, to keep the default run short)",
+        "KL to a teacher head of the same shape, against a four-GEMM floor), 'sparse' "
+        "(distillation from a stored teacher's top-64, against the three-GEMM floor), 'dpo' "
+        "(a DPO step on pairs of 256-token sequences; its rows are named with --variants), "
+        "all but 'ce' at the first shape in the first dtype (default ce, to keep the default "
+        "run short)",
     )
     parser.add_argument(
         "--repeats",

@@ -308,6 +308,43 @@ def _dpo(kind: str) -> Build:
                 lp, _ = _plain_logprobs(x, w, flat)
             _dpo_loss(lp.reshape(rows.shape).to(ref.dtype).sum(1), ref).backward()
 
+
+#: Slots of the stored teacher at a sparse-distillation point.
+SPARSE_K = 64
+
+
+def _sparse_teacher(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor):
+    """A stored teacher's top-k of the point's shape: ids (int64) and log-probabilities
+    (bf16, the usual storage), from :func:`_teacher`'s head by ``token_logprobs(topk=)``."""
+    import linear_ce
+
+    xt, wt = _teacher(x, w)
+    with torch.no_grad():
+        top = linear_ce.token_logprobs(xt, wt, torch.zeros_like(t), topk=SPARSE_K)
+    return top.topk_ids, top.topk_logprobs.bfloat16()
+
+
+def _sparse(kind: str) -> Build:
+    """A sparse-distillation training step (forward KL to the stored teacher renormalised
+    over its top-k, mean over the valid rows): ``linear_ce.sparse_divergence``, or the
+    plain expression, which forms the dense ``(N, V)`` target from the slots each step."""
+
+    def build(x, w, t):
+        ids, logprobs = _sparse_teacher(x, w, t)
+
+        def call():
+            if kind == "linear_ce":
+                import linear_ce
+
+                linear_ce.sparse_divergence(x, w, ids, logprobs, t).backward()
+                return
+            valid = t != -100
+            log_p = torch.log_softmax(F.linear(x[valid], w).float(), dim=-1)
+            q = torch.softmax(logprobs[valid].float(), dim=-1)
+            dense = torch.zeros_like(log_p).scatter_(1, ids[valid], q)
+            log_q = torch.zeros_like(log_p).scatter_(1, ids[valid], q.log())
+            ((dense * (log_q - log_p)).sum() / valid.sum()).backward()
+
         def reset():
             x.grad = w.grad = None
 
@@ -738,6 +775,23 @@ VARIANTS: dict[str, Variant] = {
             "linear_ce.sequence_objective(objectives.dpo, group='pairs') (3 GEMMs)",
             ("dpo",),
         ),
+        Variant(
+            "sparse-plain",
+            "train",
+            _sparse("plain"),
+            _always,
+            f"forward KL to a stored top-{SPARSE_K} teacher as a dense (N, V) target, on the "
+            "full logits of the valid rows",
+            ("sparse",),
+        ),
+        Variant(
+            "sparse-linear_ce",
+            "train",
+            _sparse("linear_ce"),
+            _always,
+            f"linear_ce.sparse_divergence, top-{SPARSE_K} bf16 slots, mean (3 GEMMs)",
+            ("sparse",),
+        ),
     ]
 }
 
@@ -766,6 +820,8 @@ DEFAULT = (
     "divergence-plain",
     "divergence-linear_ce",
     "divergence-trl",
+    "sparse-plain",
+    "sparse-linear_ce",
 )
 
 #: The DPO step's rows (``--heads dpo``), named with ``--variants`` (with the floors): kept out

@@ -30,6 +30,13 @@ class Vocab(Protocol):
     def sum_(self, row_sums: torch.Tensor) -> None:
         """Make ``row_sums`` the sum over every shard, in place."""
 
+    def merge_topk(
+        self, values: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest of every shard's ``(..., k)`` candidates ``values`` (ids of the
+        whole vocabulary in ``ids``; ``-1`` in a slot without a class), per row, sorted
+        in descending order."""
+
 
 class LocalVocab:
     """The whole vocabulary of ``classes`` classes in one process: combining row
@@ -46,3 +53,9 @@ class LocalVocab:
 
     def sum_(self, row_sums: torch.Tensor) -> None:
         """Make ``row_sums`` the sum over every shard, in place."""
+
+    def merge_topk(
+        self, values: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates themselves: they are already every class's."""
+        return values, ids

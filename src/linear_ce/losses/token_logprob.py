@@ -33,11 +33,19 @@ the first class at the maximum: a tie with a later class counts, one with an
 earlier class does not). Both are row sums over the vocabulary, so they hold
 across vocabulary shards: the number of classes at the maximum, and whether a
 class before the target reaches it.
+
+``topk`` keeps each row's ``k`` largest :math:`u` (one ``torch.topk`` of the tile
+per chunk, before the exponential overwrites it) and their class ids; once
+:math:`\log Z` is known they become :math:`\log p = u - \log Z`. On a shard these
+are the shard's candidates (ids of the whole vocabulary, ``-inf`` / ``-1`` where
+the shard holds fewer than ``k`` classes), merged over the shards after the loop
+(:meth:`linear_ce.engine.vocab.Vocab.merge_topk`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -64,11 +72,15 @@ class TokenOutputs:
     top1_rule: str = "unique"
     log_sum_sq_prob: bool = False
     mean_logit: bool = False
+    #: The number of largest log-probabilities (and their ids) per row; 0: none.
+    topk: int = 0
 
 
 class TokenLogprobHead:
     """Writes ``logprob`` and the ``outputs`` asked for, each ``(N, P)`` (zero/False
-    where ignored): ``entropy``, ``top1``, ``log_sum_sq_prob``, ``mean_logit``.
+    where ignored): ``entropy``, ``top1``, ``log_sum_sq_prob``, ``mean_logit``; and
+    ``topk_logprobs`` / ``topk_ids`` ``(N, P, k)`` (``-inf`` / ``-1`` where ignored, and
+    in the slots beyond a shard's classes).
 
     ``grad_logprob`` / ``grad_entropy`` ``(N, P)`` are the upstream gradients
     (``None``: none flows from that output). ``num_classes`` is the full vocabulary
@@ -122,6 +134,13 @@ class TokenLogprobHead:
         self.top1 = zeros(self.top1_on, torch.bool)
         self.log_sum_sq_prob = zeros(self.sq_on)
         self.mean_logit = zeros(self.mean_on)
+        self.topk = outputs.topk
+        self.topk_logprobs: torch.Tensor | None = None
+        self.topk_ids: torch.Tensor | None = None
+        if self.topk:
+            shape = (*valid.shape, self.topk)
+            self.topk_logprobs = torch.full(shape, -math.inf, dtype=acc_dtype, device=target.device)
+            self.topk_ids = torch.full(shape, -1, dtype=torch.int64, device=target.device)
         self._is_max: torch.Tensor | None = None
         self._block: torch.Tensor | None = None
 
@@ -159,6 +178,12 @@ class TokenLogprobHead:
         if self.top1_on:
             out[:, slot["target_is_max"]].copy_((picked == 0.0) & self.owned)
             out[:, slot["ties"]].copy_(self._ties(u, target))
+        if self.topk:
+            # Before the exponential, which may overwrite u; log Z comes in rows_done.
+            values, ids = u.topk(min(self.topk, u.shape[1]), dim=1)
+            width = values.shape[1]
+            self.topk_logprobs[rows, p, :width] = values
+            self.topk_ids[rows, p, :width] = ids + self.start
 
     def _ties(self, u: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per row, what breaks a top-1 at the maximum under the rule: the number of
@@ -194,6 +219,8 @@ class TokenLogprobHead:
             self.log_sum_sq_prob[rows, p] = sums[:, slot["sq"]].log() - 2 * stats.log_sum_exp
         if self.mean_on:
             self.mean_logit[rows, p] = stats.row_max + sums[:, slot["sum_u"]] / self.num_classes
+        if self.topk:
+            self.topk_logprobs[rows, p] -= stats.log_sum_exp[:, None]
         if self.top1_on:
             ties = sums[:, slot["ties"]]
             clear = ties == 0 if self.top1_rule == "argmax" else ties == 1

@@ -8,10 +8,14 @@ ids and log-probabilities get no gradient.
 
 The teacher's values are checked here, vectorised before the loop (one host
 sync per call; none inside the loop), so a compiled graph does not guard on them.
+:func:`sparse_divergence_on_shard` runs the same bodies on a shard of the student's
+vocabulary: each rank's head reads the teacher's slots whose ids lie in its slice, and
+the row sums (the rest's mass, the slots' late sums) go through the loop's collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -24,6 +28,8 @@ from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.sparse_divergence import SparseDivergenceHead, sparse_teacher
 from linear_ce.ops.autograd import (
+    Forward,
+    OnVocab,
     gradient_outputs,
     reduce_rows,
     register_by_reduction,
@@ -36,6 +42,7 @@ __all__ = [
     "SparseDivergenceArguments",
     "check_sparse_targets",
     "run_sparse_divergence",
+    "sparse_divergence_on_shard",
     "sparse_divergence_op",
 ]
 
@@ -152,7 +159,8 @@ class SparseDivergenceArguments(NamedTuple):
     log-probabilities), the ``(N, 1)`` target, the upstream gradient of each row
     (``"none"``'s backward), the divergence and how the teacher's mass outside its slots
     counts (``rest``), the student's logits transform and the teacher's temperature, the
-    reduction, how it runs, which gradients."""
+    reduction, how it runs, which gradients, and the public function called (its errors
+    name it)."""
 
     input: torch.Tensor
     linear_weight: torch.Tensor
@@ -171,6 +179,7 @@ class SparseDivergenceArguments(NamedTuple):
     options: PlanOptions
     allow_retain_graph: bool
     needs: Needs
+    name: str = _NAME
 
 
 def run_sparse_divergence(
@@ -185,7 +194,7 @@ def run_sparse_divergence(
     valid = target != args.ignore_index
     if args.grad_rows is None:
         if args.hard_weight > 0.0:
-            check_class_indices(target, args.ignore_index, vocab.total, _NAME)
+            check_class_indices(target, args.ignore_index, vocab.total, args.name)
         check_sparse_targets(
             args.target_ids,
             args.target_logprobs,
@@ -193,6 +202,7 @@ def run_sparse_divergence(
             vocab.total,
             rest=args.rest,
             beta=args.beta,
+            name=args.name,
         )
     options = args.options.as_options()
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
@@ -262,3 +272,39 @@ sparse_divergence_op = SCHEMA.define("sparse_divergence", 4, _kernel, _fake)
 
 
 register_by_reduction(sparse_divergence_op, SCHEMA)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnShard:
+    """The sparse distillation bodies on a vocabulary shard
+    (:class:`~linear_ce.ops.autograd.Run`)."""
+
+    args: SparseDivergenceArguments
+    vocab: Vocab
+
+    @property
+    def needs(self) -> Needs:
+        return self.args.needs
+
+    @property
+    def allow_retain_graph(self) -> bool:
+        return self.args.allow_retain_graph
+
+    def _on(self, input, weight, bias, **fields) -> SparseDivergenceArguments:
+        return self.args._replace(input=input, linear_weight=weight, linear_bias=bias, **fields)
+
+    def forward(self, input, weight, bias) -> Forward:
+        loss, grads = run_sparse_divergence(self._on(input, weight, bias), self.vocab)
+        return Forward((loss,), grads if self.args.reduction != "none" else None)
+
+    def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
+        grad_rows = grad_outputs[0].contiguous()
+        return run_sparse_divergence(
+            self._on(input, weight, bias, grad_rows=grad_rows, needs=needs), self.vocab
+        )[1]
+
+
+def sparse_divergence_on_shard(args: SparseDivergenceArguments, vocab: Vocab) -> torch.Tensor:
+    """The loss of ``args`` on a shard ``vocab`` of the student's vocabulary; the same
+    bodies as the op, under :class:`OnVocab`."""
+    return OnVocab.apply(args.input, args.linear_weight, args.linear_bias, _OnShard(args, vocab))[0]

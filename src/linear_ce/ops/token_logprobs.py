@@ -12,8 +12,10 @@ state). Called with upstream gradients but without those statistics (as
 them instead. An upstream gradient that does not flow (an output nobody differentiated)
 is ``None`` and costs nothing. ``log_sum_sq_prob`` and ``mean_logit`` are statistics
 without a gradient: they stay in the graph so that differentiating one is an error
-(:func:`refuse_statistic_gradients`), not a gradient dropped in silence.
-:func:`token_logprobs_on_shard` runs the same bodies on a shard of the vocabulary.
+(:func:`refuse_statistic_gradients`), not a gradient dropped in silence, and so do the
+``topk`` log-probabilities (their ids are integers). :func:`token_logprobs_on_shard` runs
+the same bodies on a shard of the vocabulary, where the shards' top-k candidates are
+merged after the loop (:meth:`~linear_ce.engine.vocab.Vocab.merge_topk`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def run_token_logprobs(args: TokenArguments, vocab: Vocab) -> tuple[TokenLogprob
         vocab,
         args.needs,
     )
+    if head.topk:
+        head.topk_logprobs, head.topk_ids = vocab.merge_topk(head.topk_logprobs, head.topk_ids)
     return head, grads
 
 
@@ -125,7 +129,8 @@ def token_gradients(args: TokenArguments, vocab: Vocab) -> Gradients:
 
 
 def _outputs(head: TokenLogprobHead, asked: TokenOutputs, like: torch.Tensor):
-    """``(entropy, top1, log_sum_sq_prob, mean_logit)``, empty where not asked for."""
+    """``(entropy, top1, log_sum_sq_prob, mean_logit, topk_logprobs, topk_ids)``, empty
+    where not asked for."""
 
     def given(value: torch.Tensor | None, on: bool, dtype: torch.dtype) -> torch.Tensor:
         return value if on else like.new_empty((0,), dtype=dtype)
@@ -136,21 +141,24 @@ def _outputs(head: TokenLogprobHead, asked: TokenOutputs, like: torch.Tensor):
         given(head.top1, asked.top1, torch.bool),
         given(head.log_sum_sq_prob, asked.log_sum_sq_prob, acc),
         given(head.mean_logit, asked.mean_logit, acc),
+        given(head.topk_logprobs, asked.topk > 0, acc),
+        given(head.topk_ids, asked.topk > 0, torch.int64),
     )
 
 
 def _kernel(args: TokenArguments) -> tuple[torch.Tensor, ...]:
     """Without upstream gradients: ``(logprob, row_stats, entropy, top1,
-    log_sum_sq_prob, mean_logit)``, each ``(N, P)`` but ``row_stats`` ``(N, P, 3)``
-    (:attr:`TokenLogprobHead.row_stats`), those after it empty unless ``outputs`` asks
-    for them, and three empty gradients. With ``grad_logprob`` and/or ``grad_entropy``
-    ``(N, P)``: the six outputs empty and their vector-Jacobian product for input,
+    log_sum_sq_prob, mean_logit, topk_logprobs, topk_ids)``, each ``(N, P)`` but
+    ``row_stats`` ``(N, P, 3)`` (:attr:`TokenLogprobHead.row_stats`) and the top-k
+    ``(N, P, k)``, those after ``row_stats`` empty unless ``outputs`` asks for them, and
+    three empty gradients. With ``grad_logprob`` and/or ``grad_entropy``
+    ``(N, P)``: the eight outputs empty and their vector-Jacobian product for input,
     weight and bias in the last three slots (:func:`token_gradients`)."""
     vocab = LocalVocab(args.linear_weight.shape[0])
     if args.grad_logprob is not None or args.grad_entropy is not None:
         grads = token_gradients(args, vocab)
         acc = acc_dtype_for(args.input.dtype, args.options.acc_dtype)
-        dtypes = (acc, acc, acc, torch.bool, acc, acc)
+        dtypes = (acc, acc, acc, torch.bool, acc, acc, acc, torch.int64)
         empty = (args.input.new_empty((0,), dtype=dtype) for dtype in dtypes)
         return *empty, *gradient_outputs(grads, args.input)
     head, grads = run_token_logprobs(args._replace(needs=Needs(False, False, False)), vocab)
@@ -180,6 +188,8 @@ def _fake(args: TokenArguments) -> tuple[torch.Tensor, ...]:
         rows_if(asked.top1, torch.bool),
         rows_if(asked.log_sum_sq_prob),
         rows_if(asked.mean_logit),
+        rows_if(asked.topk > 0, extra=(asked.topk,)),
+        rows_if(asked.topk > 0, torch.int64, extra=(asked.topk,)),
         *(
             input.new_empty(shape if backward and need else (0,))
             for shape, need in zip(grad_shapes, args.needs, strict=True)
@@ -188,7 +198,7 @@ def _fake(args: TokenArguments) -> tuple[torch.Tensor, ...]:
 
 
 SCHEMA = OpSchema(TokenArguments)
-token_rows = SCHEMA.define("token_rows", 9, _kernel, _fake)
+token_rows = SCHEMA.define("token_rows", 11, _kernel, _fake)
 
 
 def _statistic_message(function: str, statistic: str) -> str:
@@ -243,9 +253,11 @@ def _setup_context(ctx, inputs, output):
     SCHEMA.save(ctx, SCHEMA.unflatten(inputs)._replace(row_stats=output[1]))
 
 
-def _backward(ctx, grad_logprob, _grad_row_stats, grad_entropy, _grad_top1, grad_sq, grad_mean, *_):
+def _backward(
+    ctx, grad_logprob, _grad_row_stats, grad_entropy, _grad_top1, grad_sq, grad_mean, grad_topk, *_
+):
     args, _ = SCHEMA.saved(ctx)
-    statistics = {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean}
+    statistics = {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean, "topk_logprobs": grad_topk}
     args = args._replace(
         row_stats=refuse_statistic_gradients(args.name, statistics, args.row_stats)
     )
@@ -270,15 +282,18 @@ class _OnShard:
     def forward(self, input, weight, bias) -> Forward:
         head, _ = run_token_logprobs(self._on(input, weight, bias), self.vocab)
         outputs = (head.logprob, *_outputs(head, self.args.outputs, input))
-        # log_sum_sq_prob and mean_logit stay in the graph: differentiating them is
-        # refused in backward.
-        return Forward(outputs, saved=(head.row_stats,), statistics=(2,))
+        # log_sum_sq_prob, mean_logit and the top-k log-probabilities stay in the graph:
+        # differentiating them is refused in backward.
+        return Forward(outputs, saved=(head.row_stats,), statistics=(2, 6))
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
-        grad_logprob, grad_entropy, _grad_top1, grad_sq, grad_mean = grad_outputs
-        row_stats = refuse_statistic_gradients(
-            self.args.name, {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean}, saved[0]
-        )
+        grad_logprob, grad_entropy, _grad_top1, grad_sq, grad_mean, grad_topk, _ = grad_outputs
+        statistics = {
+            "log_sum_sq_prob": grad_sq,
+            "mean_logit": grad_mean,
+            "topk_logprobs": grad_topk,
+        }
+        row_stats = refuse_statistic_gradients(self.args.name, statistics, saved[0])
         if grad_logprob is None and grad_entropy is None:
             return Gradients(None, None, None)
         args = self._on(
@@ -298,8 +313,9 @@ class _TokenLogprobsOnShard(OnVocab):
 
 
 def token_logprobs_on_shard(args: TokenArguments, vocab: Vocab) -> tuple[torch.Tensor, ...]:
-    """``(logprob, entropy, top1, log_sum_sq_prob, mean_logit)`` of ``args`` on a
-    vocabulary shard ``vocab`` (unasked statistics empty); the same bodies as the op,
+    """``(logprob, entropy, top1, log_sum_sq_prob, mean_logit, topk_logprobs, topk_ids)``
+    of ``args`` on a vocabulary shard ``vocab`` (unasked statistics empty; the top-k merged
+    over the shards); the same bodies as the op,
     under :class:`OnVocab`."""
     run = _OnShard(args, vocab)
     return _TokenLogprobsOnShard.apply(args.input, args.linear_weight, args.linear_bias, run)

@@ -44,6 +44,31 @@ class VocabShard:
         """Make ``row_sums`` the sum over every shard, in place."""
         dist.all_reduce(row_sums, op=dist.ReduceOp.SUM, group=self.group)
 
+    def merge_topk(
+        self, values: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest of every rank's ``(..., k)`` candidates, per row, sorted in
+        descending order: one all_gather of the values and one of the ids, then the first
+        ``k`` of a stable descending sort of the ``world·k`` candidates ordered by id. Each rank's
+        candidates are its shard's ``k`` largest, so those of the whole vocabulary are among
+        them. Equal values come in the order of their ids, and a slot without a class (id
+        ``-1``, ``-inf``) after every class, so a class whose log-probability is ``-inf``
+        still fills a slot before it."""
+        k = values.shape[-1]
+        world = dist.get_world_size(self.group)
+        gathered = []
+        for local in (values.contiguous(), ids.contiguous()):
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local, group=self.group)
+            gathered.append(torch.cat(parts, dim=-1))
+        all_values, all_ids = gathered
+        # By id (empty slots last), then a stable descending sort by value: equal values
+        # in the order of their ids, every class before an empty slot.
+        by_id = torch.where(all_ids < 0, self.total, all_ids).sort(dim=-1, stable=True).indices
+        all_values, all_ids = all_values.gather(-1, by_id), all_ids.gather(-1, by_id)
+        order = all_values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        return all_values.gather(-1, order), all_ids.gather(-1, order)
+
 
 def shard_layout(
     linear_weight: torch.Tensor, process_group: dist.ProcessGroup | None = None
