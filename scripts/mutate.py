@@ -1,29 +1,39 @@
 """Mutation check: does the suite catch the mistakes it claims to?
 
 Each mutation below is a deliberate mistake, written as text replacements in
-one source file. The script copies the repository to a scratch directory,
-checks that the selected tests pass there unmutated, then applies one
-mutation at a time, runs the tests chosen for it and reports the mutation
-*killed* (some test failed) or *survived* (every test passed: the suite
-misses that mistake). Exit status 0 only when every mutation was killed.
+one source file, with the tests that should catch it. The script copies the
+repository to a scratch directory (the working tree is never edited, so an
+interrupted run leaves nothing behind), checks that the selected tests pass
+there unmutated, then applies one mutation at a time, runs its tests (``-x``:
+the first failure is enough) and reports the mutation *killed* (some test
+failed) or *survived* (every test passed: the suite misses that mistake).
 
-An anchor that is not found exactly once stops the script with an error, so a
-refactor cannot silently disable a mutation: update the anchor here instead.
-Add a mutation with each feature (one entry in ``MUTATIONS``).
+A mutation whose anchor (the text it replaces) is not found exactly once is
+reported as *anchor moved* and the others still run: a refactor that moves the
+code must move the mutation too. Exit status 0 only when every mutation chosen
+was killed and no anchor moved; a surviving mutation is a gap in the tests
+(add the test), not a mutation to drop.
+
+Every head and path has mutations (``family``); one per family is marked
+``quick``: ``--quick`` runs those alone, without the unmutated baseline (CI runs
+it right after ``make test``, which has run those tests unmutated).
 
 Usage::
 
     python scripts/mutate.py               # every mutation (``make mutate``)
-    python scripts/mutate.py -k module     # those whose name contains "module"
-    python scripts/mutate.py --list        # names, files and tests, nothing run
+    python scripts/mutate.py --quick       # one per family (CI, ~2 minutes)
+    python scripts/mutate.py -k divergence # those whose family or name has "divergence"
+    python scripts/mutate.py --list        # families, names, files, tests; nothing run
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,13 +45,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
-    """``edits`` are ``(anchor, replacement)`` pairs applied to ``path`` (relative to the
-    repository); each anchor must occur exactly once. ``tests`` are pytest arguments."""
+    """``edits`` are ``(anchor, replacement)`` pairs applied in order to ``path`` (relative
+    to the repository); each anchor must occur exactly once. ``tests`` are pytest
+    arguments; ``family`` is the head or path the mistake is in; ``quick`` marks the
+    family's representative for ``--quick``."""
 
+    family: str
     name: str
     path: str
     edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]
+    quick: bool = False
+
+
+class AnchorMoved(Exception):
+    """An anchor of a mutation is not found exactly once in its file."""
 
 
 def _drop_module_argument(argument: str) -> Mutation:
@@ -57,14 +75,16 @@ def _drop_module_argument(argument: str) -> Mutation:
         "extras": "            **extras,\n",
     }[argument]
     return Mutation(
+        "loss",
         f"module forward drops {argument}=",
         "src/linear_ce/module.py",
         ((line, ""),),
         ("tests/test_module.py",),
+        quick=argument == "z_loss",
     )
 
 
-MUTATIONS: tuple[Mutation, ...] = (
+_LOSS: tuple[Mutation, ...] = (
     *(
         _drop_module_argument(a)
         for a in (
@@ -80,6 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         )
     ),
     Mutation(
+        "loss",
         "reference z-loss rows without class and ignore weighting",
         "src/linear_ce/reference.py",
         (
@@ -91,6 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_combinations.py", "-k", "reference"),
     ),
     Mutation(
+        "loss",
         "reference ignores token weights",
         "src/linear_ce/reference.py",
         (
@@ -102,6 +124,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_combinations.py", "-k", "reference"),
     ),
     Mutation(
+        "loss",
         "reference lse of the logits before the transform",
         "src/linear_ce/reference.py",
         (
@@ -113,8 +136,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         ("tests/test_combinations.py", "-k", "reference"),
     ),
-    # The chunk loop and its heads are young; keep their mutations few and their anchors short.
     Mutation(
+        "loss",
         "cross-entropy head weights every K-dim position with position 0's token weight",
         "src/linear_ce/losses/cross_entropy.py",
         (
@@ -124,12 +147,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_combinations.py", "-k", "chunked and kdim"),
     ),
     Mutation(
+        "loss",
         "mean denominator includes the token weights",
         "src/linear_ce/losses/cross_entropy.py",
         (("        total = omega.sum()\n", "        total = (omega * token).sum()\n"),),
         ("tests/test_combinations.py", "-k", "chunked and mean"),
     ),
     Mutation(
+        "loss",
         "temperature forgotten without a softcap",
         "src/linear_ce/engine/transform.py",
         (
@@ -141,6 +166,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_combinations.py", "-k", "chunked and temperature"),
     ),
     Mutation(
+        "loss",
         "capability check always answers False",
         "src/linear_ce/engine/capability.py",
         (
@@ -152,6 +178,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_capability.py",),
     ),
     Mutation(
+        "loss",
         'one chunk for reduction="none"',
         "src/linear_ce/ops/cross_entropy.py",
         (
@@ -165,6 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_memory_bounds.py", "-k", "none"),
     ),
     Mutation(
+        "loss",
         "an fp32 copy of the weight on the native half path",
         "src/linear_ce/engine/gemm.py",
         (
@@ -176,14 +204,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
     ),
+)
+
+_SEQUENCE: tuple[Mutation, ...] = (
     Mutation(
-        "sequence objective: the loop cuts its own chunks (groups split)",
+        "sequence_objective",
+        "the loop cuts its own chunks (groups split)",
         "src/linear_ce/ops/sequence_objective.py",
         (("        chunks=[[c.rows for c in chunks]],\n", ""),),
         ("tests/test_sequence_objective.py", "-k", "whole_groups"),
     ),
     Mutation(
-        'sequence objective: group="pairs" pairs neighbouring rows',
+        "sequence_objective",
+        'group="pairs" pairs neighbouring rows',
         "src/linear_ce/engine/sequence_layout.py",
         (
             (
@@ -194,13 +227,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_objectives_builtin.py", "-k", "dpo-sigmoid and float64"),
     ),
     Mutation(
-        "sequence objective: a shift scores across packed sequences",
+        "sequence_objective",
+        "a shift scores across packed sequences",
         "src/linear_ce/engine/sequence_layout.py",
         (("        scored &= same\n", ""),),
         ("tests/test_sequence_objective.py", "-k", "random_packed"),
+        quick=True,
     ),
     Mutation(
-        "sequence objective: the four-GEMM path drops the entropy's gradient",
+        "sequence_objective",
+        "the four-GEMM path drops the entropy's gradient",
         "src/linear_ce/ops/sequence_objective.py",
         (
             (
@@ -211,7 +247,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_sequence_objective.py", "-k", "plain_formula and four_gemm"),
     ),
     Mutation(
-        "objectives: IPO without length normalisation",
+        "sequence_objective",
+        "IPO without length normalisation",
         "src/linear_ce/objectives.py",
         (
             (
@@ -223,18 +260,549 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
 )
 
+_TOKEN_HEAD = "src/linear_ce/losses/token_logprob.py"
+
+_TOKEN_LOGPROBS: tuple[Mutation, ...] = (
+    Mutation(
+        "token_logprobs",
+        "entropy with its sign flipped",
+        _TOKEN_HEAD,
+        (
+            (
+                "self.entropy[rows, p] = stats.log_sum_exp - self.row_mean_u",
+                "self.entropy[rows, p] = self.row_mean_u - stats.log_sum_exp",
+            ),
+        ),
+        ("tests/test_token_logprobs.py", "-k", "matches_plain_expression"),
+        quick=True,
+    ),
+    Mutation(
+        "token_logprobs",
+        "log_sum_sq_prob subtracts log Z once, not twice",
+        _TOKEN_HEAD,
+        (
+            (
+                'sums[:, slot["sq"]].log() - 2 * stats.log_sum_exp',
+                'sums[:, slot["sq"]].log() - stats.log_sum_exp',
+            ),
+        ),
+        ("tests/test_token_logprobs.py", "-k", "statistics_match_plain_expression"),
+    ),
+    Mutation(
+        "token_logprobs",
+        "mean logit without the row maximum",
+        _TOKEN_HEAD,
+        (
+            (
+                "self.mean_logit[rows, p] = stats.row_max + sums",
+                "self.mean_logit[rows, p] = sums",
+            ),
+        ),
+        ("tests/test_token_logprobs.py", "-k", "statistics_match_plain_expression"),
+    ),
+    Mutation(
+        "token_logprobs",
+        "top1 under the unique rule lets a tie through",
+        _TOKEN_HEAD,
+        (("else ties == 1", "else ties <= 2"),),
+        ("tests/test_token_logprobs.py", "-k", "top1"),
+    ),
+)
+
+_OBJECTIVES = "src/linear_ce/objectives.py"
+
+_TOKEN_OBJECTIVE: tuple[Mutation, ...] = (
+    Mutation(
+        "token_objective",
+        "the entropy's upstream gradient is dropped",
+        "src/linear_ce/losses/token_objective.py",
+        (("for g in (*grads, None)[:2]]", "for g in (grads[0], None)]"),),
+        ("tests/test_token_objective.py", "-k", "matches_plain_formula and entropy"),
+    ),
+    Mutation(
+        "token_objective",
+        "a tensor the objective closes over loses its gradient in silence",
+        "src/linear_ce/losses/token_objective.py",
+        (("            self._refuse_other_leaves(total, leaves)\n", ""),),
+        ("tests/test_gradient_safety.py", "-k", "closing_over"),
+        quick=True,
+    ),
+    Mutation(
+        "token_objective",
+        "the chunk loop's gradient (token head) drops the target's one-hot",
+        _TOKEN_HEAD,
+        (("        out.scatter_add_(1, self.safe_t, (g * self.owned)[:, None])\n", ""),),
+        ("tests/test_token_objective.py", "-k", "matches_plain_formula and dtype0"),
+    ),
+    Mutation(
+        "token_objective",
+        "the chunk loop's entropy gradient without the mean subtracted",
+        _TOKEN_HEAD,
+        (
+            (
+                "out = u.sub_(self.row_mean_u[:, None]).mul_(e)",
+                "out = u.mul_(e)",
+            ),
+        ),
+        ("tests/test_token_objective.py", "-k", "matches_plain_formula and dtype0"),
+    ),
+    Mutation(
+        "token_objective",
+        "clipped policy gradient: clip_low and clip_high swapped",
+        _OBJECTIVES,
+        (
+            (
+                "        ratio = torch.exp(_log_ratio(logprob, old_logprob))\n"
+                "        clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)\n"
+                "        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
+                "        capped",
+                "        ratio = torch.exp(_log_ratio(logprob, old_logprob))\n"
+                "        clipped = ratio.clamp(1.0 - clip_high, 1.0 + clip_low)\n"
+                "        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
+                "        capped",
+            ),
+        ),
+        ("tests/test_objectives_builtin.py", "-k", "token_builtin"),
+    ),
+    Mutation(
+        "token_objective",
+        "k3 KL estimator with its sign flipped",
+        _OBJECTIVES,
+        (
+            (
+                "            kl = torch.expm1(delta) - delta\n",
+                "            kl = delta - torch.expm1(delta)\n",
+            ),
+        ),
+        ("tests/test_objectives_builtin.py", "-k", "token_builtin"),
+    ),
+    Mutation(
+        "token_objective",
+        "entropy bonus minimises the entropy",
+        _OBJECTIVES,
+        (("return _weighted(-coef * entropy, side)", "return _weighted(coef * entropy, side)"),),
+        ("tests/test_token_objective.py", "-k", "matches_plain_formula and dtype0-entropy"),
+    ),
+)
+
+_DIVERGENCE_HEAD = "src/linear_ce/losses/divergence.py"
+
+_LINEAR_DIVERGENCE: tuple[Mutation, ...] = (
+    Mutation(
+        "linear_divergence",
+        "student and teacher swapped (beta=0 runs the reverse KL)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                'self.mode = "forward" if beta == 0.0 else "reverse" if beta == 1.0 else "mixed"',
+                'self.mode = "reverse" if beta == 0.0 else "forward" if beta == 1.0 else "mixed"',
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "matches_plain_float32"),
+        quick=True,
+    ),
+    Mutation(
+        "linear_divergence",
+        "forward KL's teacher term added to the gradient, not subtracted",
+        _DIVERGENCE_HEAD,
+        (("c_t = (-w / self.z_t)[:, None]", "c_t = (w / self.z_t)[:, None]"),),
+        ("tests/test_divergence.py", "-k", "matches_plain_float32"),
+    ),
+    Mutation(
+        "linear_divergence",
+        "mixed (JSD) gradient scaled by beta instead of 1 - beta",
+        _DIVERGENCE_HEAD,
+        (("scale = w * (1.0 - self.beta) / z_s", "scale = w * self.beta / z_s"),),
+        ("tests/test_divergence.py", "-k", "matches_plain_float32"),
+    ),
+    Mutation(
+        "linear_divergence",
+        "the hard term forgets the temperature (T != 1 uses Z_s)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "self.own_z1 = self.hard_on and temperature != 1.0",
+                "self.own_z1 = False",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "transforms_float64 or property_float64"),
+    ),
+)
+
+_SPARSE_HEAD = "src/linear_ce/losses/sparse_divergence.py"
+
+_SPARSE_DIVERGENCE: tuple[Mutation, ...] = (
+    Mutation(
+        "sparse_divergence",
+        "the stored teacher's temperature is dropped",
+        _SPARSE_HEAD,
+        (("        if scale != 1.0:\n            lp = lp * scale\n", ""),),
+        ("tests/test_sparse_divergence.py", "-k", "transforms_float64"),
+    ),
+    Mutation(
+        "sparse_divergence",
+        "the teacher's residual mass is dropped (rest=True behaves as renormalised)",
+        _SPARSE_HEAD,
+        (
+            (
+                "r_t = torch.where(full, 0.0, -torch.expm1(log_total.clamp(max=0.0)))",
+                "r_t = torch.zeros_like(log_total)",
+            ),
+        ),
+        ("tests/test_sparse_divergence.py", "-k", "matches_dense_teacher_float32"),
+        quick=True,
+    ),
+    Mutation(
+        "sparse_divergence",
+        "reverse KL's slot gradient with its sign flipped",
+        _SPARSE_HEAD,
+        (("slot = p_k * (self.d_k - mean_d)", "slot = p_k * (mean_d - self.d_k)"),),
+        ("tests/test_sparse_divergence.py", "-k", "matches_dense_teacher_float32"),
+    ),
+    Mutation(
+        "sparse_divergence",
+        "a -inf stored log-probability is not an empty slot",
+        _SPARSE_HEAD,
+        (("empty = (ids == -1) | (lp == -math.inf)", "empty = ids == -1"),),
+        ("tests/test_sparse_divergence.py", "-k", "empty_slots"),
+    ),
+)
+
+_VOCAB_PASS = "src/linear_ce/engine/vocab_pass.py"
+_VOCAB_PASS_TESTS = ("tests/test_token_logprobs.py", "-k", "many_row_groups_and_class_blocks")
+
+_VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "vocab_pass",
+        "the last class of each block is left out (off by one)",
+        _VOCAB_PASS,
+        (
+            (
+                "span = slice(start, min(start + block, classes))",
+                "span = slice(start, min(start + block - 1, classes))",
+            ),
+        ),
+        _VOCAB_PASS_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "vocab_pass",
+        "the bias is not added to a block's logits",
+        _VOCAB_PASS,
+        (("                if b_p is not None:\n                    s.add_(b_p[span])\n", ""),),
+        ("tests/test_token_logprobs.py", "-k", "matches_plain_expression"),
+    ),
+    Mutation(
+        "vocab_pass",
+        "the softcap's derivative is dropped",
+        _VOCAB_PASS,
+        (("                if sech2 is not None:\n                    s.mul_(sech2)\n", ""),),
+        ("tests/test_head_claims.py", "-k", "row_major_vocab_tile"),
+    ),
+    Mutation(
+        "vocab_pass",
+        "the target's one-hot lands at the block's offset 0 (wrong block offset)",
+        _TOKEN_HEAD,
+        (
+            (
+                "local = self.target[rows, p] - self.start - classes.start",
+                "local = self.target[rows, p] - self.start",
+            ),
+        ),
+        _VOCAB_PASS_TESTS,
+    ),
+    Mutation(
+        "vocab_pass",
+        "row-major tile built as class-major (the CUDA layout is wrong)",
+        _VOCAB_PASS,
+        (
+            (
+                "return flat.view(classes, rows).T if class_major else flat.view(rows, classes)",
+                "return flat.view(classes, rows).T if class_major else flat.view(classes, rows).T",
+            ),
+        ),
+        ("tests/test_head_claims.py", "-k", "row_major_vocab_tile"),
+    ),
+)
+
+_DTENSOR = "src/linear_ce/parallel/dtensor.py"
+
+_DTENSOR_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "dtensor",
+        "a Shard(0) head's offset from an even split (uneven vocabularies misplaced)",
+        _DTENSOR,
+        (("    start = rank * per_rank\n", "    start = rank * (classes // ranks)\n"),),
+        ("tests/test_dtensor.py", "-k", "token_heads or loss_matches"),
+    ),
+    Mutation(
+        "dtensor",
+        "a split sequence is shifted per rank (the boundary label is lost)",
+        _DTENSOR,
+        (
+            (
+                "    if not shift or not splits_sequence or not isinstance(target, torch.Tensor):",
+                "    if True:",
+            ),
+        ),
+        ("tests/test_dtensor.py", "-k", "loss_matches and world2"),
+        quick=True,
+    ),
+    Mutation(
+        "dtensor",
+        'a "mean" over split rows averages each rank\'s mean',
+        _DTENSOR,
+        (('        local["reduction"] = "sum"\n', ""),),
+        ("tests/test_dtensor.py", "-k", "loss_matches and world2"),
+    ),
+    Mutation(
+        "dtensor",
+        "the head's gradient is not summed over the ranks that split the rows",
+        _DTENSOR,
+        (
+            (
+                "Partial() if d in self.row_dims else p for d, p in enumerate(placements)",
+                "p for d, p in enumerate(placements)",
+            ),
+        ),
+        ("tests/test_dtensor.py", "-k", "2d_mesh or plain_head"),
+    ),
+)
+
+_VOCAB_PARALLEL: tuple[Mutation, ...] = (
+    Mutation(
+        "vocab_parallel",
+        "token head: targets read as local indices (no shard offset)",
+        _TOKEN_HEAD,
+        (("        local_t = target - self.start\n", "        local_t = target\n"),),
+        ("tests/test_distributed_token.py",),
+        quick=True,
+    ),
+    Mutation(
+        "vocab_parallel",
+        "token head: mean logit over the shard's classes, not the vocabulary's",
+        _TOKEN_HEAD,
+        (('sums[:, slot["sum_u"]] / self.num_classes', 'sums[:, slot["sum_u"]] / self.local'),),
+        ("tests/test_distributed_token.py",),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "token gradients: the input's gradient is not summed over shards",
+        "src/linear_ce/ops/token_logprobs.py",
+        (("    if grads.input is not None:\n        vocab.sum_(grads.input)\n", ""),),
+        ("tests/test_distributed_token.py",),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "row sums combined by MAX instead of SUM",
+        "src/linear_ce/parallel/shard.py",
+        (
+            (
+                "dist.all_reduce(row_sums, op=dist.ReduceOp.SUM, group=self.group)",
+                "dist.all_reduce(row_sums, op=dist.ReduceOp.MAX, group=self.group)",
+            ),
+        ),
+        ("tests/test_distributed.py", "-k", "matches_single_process"),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "gathered layout: a rank's start includes its own shard (off by one rank)",
+        "src/linear_ce/parallel/shard.py",
+        (
+            (
+                "return sum(counts[:rank]), sum(counts)",
+                "return sum(counts[: rank + 1]), sum(counts)",
+            ),
+        ),
+        ("tests/test_distributed.py", "-k", "matches_single_process"),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "divergence head: the hard term's target without the shard offset",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "            local_t = self.target[rows, p] - self.start\n            self.owned = (",
+                "            local_t = self.target[rows, p]\n            self.owned = (",
+            ),
+        ),
+        ("tests/test_distributed_divergence.py",),
+    ),
+)
+
+_TRL = "src/linear_ce/integrations/trl.py"
+_TRL_DISTILLATION = "src/linear_ce/integrations/trl_distillation.py"
+
+_TRL_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "trl",
+        "fused head: the temperature is dropped",
+        _TRL,
+        (
+            (
+                'transform = {\n            "temperature": float(temperature),',
+                'transform = {\n            "temperature": 1.0,',
+            ),
+        ),
+        ("tests/test_trl.py", "-k", "kernel_call_matches_trl"),
+        quick=True,
+    ),
+    Mutation(
+        "trl",
+        "fused head: the entropy's gradient is dropped in backward",
+        _TRL,
+        (
+            (
+                "                grad_logprob,\n                grad_entropy,\n",
+                "                grad_logprob,\n                None,\n",
+            ),
+        ),
+        ("tests/test_trl.py", "-k", "kernel_call_matches_trl"),
+    ),
+    Mutation(
+        "trl",
+        "fused head: is_top1 under the unique rule (a tie is not torch.argmax's)",
+        _TRL,
+        (('                top1_rule="argmax",\n', '                top1_rule="unique",\n'),),
+        ("tests/test_trl.py", "-k", "top1"),
+    ),
+    Mutation(
+        "trl",
+        "distillation: TRL's beta read as its complement (student and teacher swapped)",
+        _TRL_DISTILLATION,
+        (("            beta=float(beta),\n", "            beta=1.0 - float(beta),\n"),),
+        ("tests/test_trl_distillation.py", "-k", "patched_loss_equals_trls"),
+    ),
+    Mutation(
+        "trl",
+        "distillation: the completion mask inverted",
+        _TRL_DISTILLATION,
+        (
+            (
+                "marks = torch.where(valid, 0, _IGNORE).to(torch.long)",
+                "marks = torch.where(valid, _IGNORE, 0).to(torch.long)",
+            ),
+        ),
+        ("tests/test_trl_distillation.py", "-k", "patched_loss_equals_trls"),
+    ),
+)
+
+_MACHINE = "src/linear_ce/engine/machine.py"
+
+_MACHINE_PLAN: tuple[Mutation, ...] = (
+    Mutation(
+        "machine_plan",
+        "chunk rows: the largest candidate within tolerance, not the smallest",
+        _MACHINE,
+        (
+            (
+                "        chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        chosen = max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "rows_smallest"),
+        quick=True,
+    ),
+    Mutation(
+        "machine_plan",
+        "tile layout: the slower layout's GEMMs win",
+        _MACHINE,
+        (
+            (
+                "return rates[(b, False)][3] <= (1 + TOLERANCE) * rates[(b, True)][3]",
+                "return rates[(b, False)][3] > (1 + TOLERANCE) * rates[(b, True)][3]",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "layout_follows"),
+    ),
+    Mutation(
+        "machine_plan",
+        "an unsteady measurement is trusted",
+        _MACHINE,
+        (
+            (
+                "    return rates[-2] <= 1 + NOISE_LIMIT and rates[-1] >= MIN_BUSY\n",
+                "    return True\n",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "unsteady or busy"),
+    ),
+    Mutation(
+        "machine_plan",
+        "native half GEMMs taken where they measured slower",
+        _MACHINE,
+        (
+            (
+                "return not _steady(known[key]) or known[key][0] >= HALF_MIN_SPEEDUP",
+                "return not _steady(known[key]) or known[key][0] < HALF_MIN_SPEEDUP",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "half_path_taken"),
+    ),
+    Mutation(
+        "machine_plan",
+        "vocabulary pass: the largest class block within tolerance, not the smallest",
+        _MACHINE,
+        (
+            (
+                "        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)\n",
+                "        return max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)\n",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "class_block"),
+    ),
+    Mutation(
+        "machine_plan",
+        "half tile step: measured rows not scaled to the call's classes",
+        _MACHINE,
+        (
+            (
+                "return max(1, best * STEP_MEASURE_CLASSES // max(classes, 1))",
+                "return max(1, best)",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "half_tile_step"),
+    ),
+)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    *_LOSS,
+    *_SEQUENCE,
+    *_TOKEN_LOGPROBS,
+    *_TOKEN_OBJECTIVE,
+    *_LINEAR_DIVERGENCE,
+    *_SPARSE_DIVERGENCE,
+    *_VOCAB_PASS_MUTATIONS,
+    *_DTENSOR_MUTATIONS,
+    *_VOCAB_PARALLEL,
+    *_TRL_MUTATIONS,
+    *_MACHINE_PLAN,
+)
+
 
 def _apply(text: str, mutation: Mutation) -> str:
+    """``text`` with ``mutation``'s edits; :class:`AnchorMoved` where an anchor is not
+    found exactly once."""
     for anchor, replacement in mutation.edits:
         count = text.count(anchor)
         if count != 1:
-            raise SystemExit(
-                f"mutate.py: anchor of {mutation.name!r} occurs {count} times in "
-                f"{mutation.path} (expected once); update MUTATIONS in scripts/mutate.py:\n"
-                f"{anchor}"
+            raise AnchorMoved(
+                f"found {count} times in {mutation.path} (expected once): {anchor.strip()[:120]!r}"
             )
         text = text.replace(anchor, replacement)
     return text
+
+
+def _anchor_problem(root: Path, mutation: Mutation) -> str | None:
+    """Why ``mutation`` cannot be applied in ``root`` (``None``: it can)."""
+    path = root / mutation.path
+    if not path.is_file():
+        return f"{mutation.path} does not exist"
+    try:
+        _apply(path.read_text(), mutation)
+    except AnchorMoved as moved:
+        return str(moved)
+    return None
 
 
 def _pytest(scratch: Path, args: tuple[str, ...]) -> tuple[int, str]:
@@ -272,32 +840,22 @@ def _copy(scratch: Path) -> None:
         raise SystemExit(f"mutate.py: the scratch copy imports linear_ce from {where}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", dest="pattern", default="", help="only mutations whose name has this")
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
-    parser.add_argument(
-        "--no-baseline", action="store_true", help="skip the unmutated run of the tests"
-    )
-    options = parser.parse_args()
-    chosen = [m for m in MUTATIONS if options.pattern in m.name]
-    for mutation in chosen:  # every anchor is checked before anything runs
-        _apply((REPO / mutation.path).read_text(), mutation)
-    if options.list:
-        for m in chosen:
-            print(f"{m.name}\n    {m.path}; pytest {' '.join(m.tests)}")
-        return 0
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so the scratch directory is removed.
+    raise KeyboardInterrupt
 
+
+def _run(chosen: list[Mutation], baseline: bool) -> dict[str, str]:
+    """Each of ``chosen`` (applicable ones) run on a scratch copy: name -> verdict."""
+    verdicts: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="linear_ce-mutate-") as tmp:
         scratch = Path(tmp)
         _copy(scratch)
-        if not options.no_baseline:
+        if baseline:
             for tests in dict.fromkeys(m.tests for m in chosen):
                 status, summary = _pytest(scratch, tests)
                 if status != 0:
-                    print(f"baseline fails: pytest {' '.join(tests)}: {summary}")
-                    return 2
-        results = []
+                    raise SystemExit(f"baseline fails: pytest {' '.join(tests)}: {summary}")
         for mutation in chosen:
             target = scratch / mutation.path
             original = target.read_text()
@@ -308,16 +866,68 @@ def main() -> int:
             finally:
                 target.write_text(original)
             verdict = {0: "SURVIVED", 1: "killed"}.get(status, f"error (pytest exit {status})")
-            results.append((mutation, verdict))
+            verdicts[mutation.name] = verdict
             print(
-                f"{verdict:>8}  {mutation.name}  ({time.monotonic() - start:.0f} s: {summary})",
+                f"{verdict:>8}  [{mutation.family}] {mutation.name}  "
+                f"({time.monotonic() - start:.0f} s: {summary})",
                 flush=True,
             )
-    survived = [m.name for m, verdict in results if verdict != "killed"]
-    print(f"\n{len(results) - len(survived)} of {len(results)} mutations killed")
-    for name in survived:
-        print(f"not killed: {name}")
-    return 1 if survived else 0
+    return verdicts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "-k", dest="pattern", default="", help="only mutations whose family or name has this"
+    )
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument(
+        "--quick", action="store_true", help="one mutation per family, without the baseline"
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the unmutated run of the tests"
+    )
+    options = parser.parse_args()
+    chosen = [
+        m
+        for m in MUTATIONS
+        if (options.pattern in m.name or options.pattern in m.family)
+        and (m.quick or not options.quick)
+    ]
+    if not chosen:
+        print(f"mutate.py: no mutation's family or name has {options.pattern!r}")
+        return 2
+    moved = {m.name: problem for m in chosen if (problem := _anchor_problem(REPO, m))}
+    if options.list:
+        for m in chosen:
+            mark = f"  ANCHOR MOVED: {moved[m.name]}" if m.name in moved else ""
+            quick = " (quick)" if m.quick else ""
+            print(f"[{m.family}] {m.name}{quick}{mark}\n    {m.path}; pytest {' '.join(m.tests)}")
+        return 0
+
+    signal.signal(signal.SIGTERM, _terminate)
+    start = time.monotonic()
+    for m in chosen:
+        if m.name in moved:
+            print(f"anchor moved  [{m.family}] {m.name}: {moved[m.name]}", flush=True)
+    runnable = [m for m in chosen if m.name not in moved]
+    verdicts = (
+        _run(runnable, baseline=not (options.no_baseline or options.quick)) if runnable else {}
+    )
+    elapsed = time.monotonic() - start
+
+    print("\nfamily: killed / mutations")
+    by_family: dict[str, list[Mutation]] = collections.defaultdict(list)
+    for m in chosen:
+        by_family[m.family].append(m)
+    for family, members in by_family.items():
+        killed = sum(verdicts.get(m.name) == "killed" for m in members)
+        print(f"  {family}: {killed} / {len(members)}")
+    failed = [m for m in chosen if verdicts.get(m.name, "anchor moved") != "killed"]
+    print(f"{len(chosen) - len(failed)} of {len(chosen)} mutations killed in {elapsed:.0f} s")
+    for m in failed:
+        print(f"not killed ({verdicts.get(m.name, 'anchor moved')}): [{m.family}] {m.name}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
