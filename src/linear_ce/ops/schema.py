@@ -162,7 +162,8 @@ class OpSchema(Generic[ArgumentsT]):
                     name,
                     inspect.Parameter.POSITIONAL_OR_KEYWORD,
                     default=default,
-                    annotation=Sequence[float] if _is_flat(hint) else hint,
+                    # typing's alias: torch 2.6's infer_schema refuses collections.abc.Sequence
+                    annotation=typing.Sequence[float] if _is_flat(hint) else hint,
                 )
                 for name, (_, hint, default) in zip(names, leaves, strict=True)
             ]
