@@ -308,6 +308,14 @@ def _dpo(kind: str) -> Build:
                 lp, _ = _plain_logprobs(x, w, flat)
             _dpo_loss(lp.reshape(rows.shape).to(ref.dtype).sum(1), ref).backward()
 
+        def reset():
+            x.grad = w.grad = None
+
+        call.reset = reset
+        return call
+
+    return build
+
 
 #: Slots of the stored teacher at a sparse-distillation point.
 SPARSE_K = 64
