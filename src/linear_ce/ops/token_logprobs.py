@@ -253,11 +253,34 @@ def _setup_context(ctx, inputs, output):
     SCHEMA.save(ctx, SCHEMA.unflatten(inputs)._replace(row_stats=output[1]))
 
 
+def _asked_gradients(
+    asked: TokenOutputs, grad_entropy, grad_sq, grad_mean, grad_topk
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """The entropy's upstream gradient and the statistics' (by name), ``None`` for an
+    output the call did not ask for.
+
+    Such an output is an empty tensor in the graph; eager autograd hands it no gradient,
+    but a traced backward (AOT autograd) hands one for every output, an empty one for an
+    empty output. It carries nothing: dropping it loses no gradient and costs nothing."""
+
+    def asked_for(grad: torch.Tensor | None, on: bool) -> torch.Tensor | None:
+        return grad if on else None
+
+    statistics = {
+        "log_sum_sq_prob": asked_for(grad_sq, asked.log_sum_sq_prob),
+        "mean_logit": asked_for(grad_mean, asked.mean_logit),
+        "topk_logprobs": asked_for(grad_topk, asked.topk > 0),
+    }
+    return asked_for(grad_entropy, asked.entropy), statistics
+
+
 def _backward(
     ctx, grad_logprob, _grad_row_stats, grad_entropy, _grad_top1, grad_sq, grad_mean, grad_topk, *_
 ):
     args, _ = SCHEMA.saved(ctx)
-    statistics = {"log_sum_sq_prob": grad_sq, "mean_logit": grad_mean, "topk_logprobs": grad_topk}
+    grad_entropy, statistics = _asked_gradients(
+        args.outputs, grad_entropy, grad_sq, grad_mean, grad_topk
+    )
     args = args._replace(
         row_stats=refuse_statistic_gradients(args.name, statistics, args.row_stats)
     )
@@ -288,11 +311,9 @@ class _OnShard:
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
         grad_logprob, grad_entropy, _grad_top1, grad_sq, grad_mean, grad_topk, _ = grad_outputs
-        statistics = {
-            "log_sum_sq_prob": grad_sq,
-            "mean_logit": grad_mean,
-            "topk_logprobs": grad_topk,
-        }
+        grad_entropy, statistics = _asked_gradients(
+            self.args.outputs, grad_entropy, grad_sq, grad_mean, grad_topk
+        )
         row_stats = refuse_statistic_gradients(self.args.name, statistics, saved[0])
         if grad_logprob is None and grad_entropy is None:
             return Gradients(None, None, None)
