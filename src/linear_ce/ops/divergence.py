@@ -77,8 +77,9 @@ def run_divergence(
     weighted by it (the input's summed over the vocabulary's shards). The student's
     entropy is empty unless asked for."""
     target, input = args.target, args.input
-    if args.hard_weight > 0.0:
-        check_class_indices(target, args.ignore_index, vocab.total, args.name)
+    # The target picks the rows that count, and with hard_weight > 0 holds their labels:
+    # a value that is neither a class nor ignore_index is a mistake either way.
+    check_class_indices(target, args.ignore_index, vocab.total, args.name)
     options = args.options.as_options()
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     valid = target != args.ignore_index

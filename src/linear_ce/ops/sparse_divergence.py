@@ -193,8 +193,9 @@ def run_sparse_divergence(
     input, target = args.input, args.target
     valid = target != args.ignore_index
     if args.grad_rows is None:
-        if args.hard_weight > 0.0:
-            check_class_indices(target, args.ignore_index, vocab.total, args.name)
+        # The target picks the rows that count, and with hard_weight > 0 holds their
+        # labels: a value that is neither a class nor ignore_index is a mistake either way.
+        check_class_indices(target, args.ignore_index, vocab.total, args.name)
         check_sparse_targets(
             args.target_ids,
             args.target_logprobs,
