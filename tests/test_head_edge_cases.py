@@ -187,9 +187,7 @@ def test_non_finite_inputs_propagate_like_the_plain_expression(head, dtype, redu
         for i, (a, r, p) in enumerate(zip(got, exact, plain, strict=True)):
             case = f"{head} {where}{index}={value} ignored={ignore} #{i}"
             if a.dtype == torch.bool:
-                # top1 where a logit is non-finite: test_top1_of_an_infinite_target_logit.
-                finite = (x @ W.T + b).isfinite().all(-1)
-                assert torch.equal(a[finite], r[finite]), case
+                assert torch.equal(a, r), case
                 continue
             # The patterns exactly; the finite entries within the house bound, 3 eps or
             # twice the plain same-dtype expression's error on them.
@@ -198,10 +196,6 @@ def test_non_finite_inputs_propagate_like_the_plain_expression(head, dtype, redu
             _patterns_equal(case, a, r, max(3 * eps(dtype), 2 * own))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29: top1 is False where the target's logit is the unique +inf maximum",
-)
 def test_top1_of_an_infinite_target_logit():
     """``top1 = [t = argmax s and the maximum is unique]``: a target whose logit is the
     only +inf is the unique argmax (its log-probability is NaN, as in the plain
@@ -215,6 +209,44 @@ def test_top1_of_an_infinite_target_logit():
     out = linear_ce.token_logprobs(x, W, t, linear_bias=b, top1=True)
     _, _, want = _plain("token_logprobs", x, W, t, b=b)[0]
     assert torch.equal(out.top1, want)
+    assert out.top1[unique_inf].all()
+
+
+#: Bias patterns (class: value) that put a non-finite logit in every row.
+_NONFINITE_ROWS = {
+    "target +inf alone": {0: math.inf},
+    "+inf tie, target first": {0: math.inf, 4: math.inf},
+    "+inf tie, target second": {2: math.inf, 4: math.inf},
+    "+inf elsewhere": {5: math.inf},
+    "every logit -inf": dict.fromkeys(range(7), -math.inf),
+    "every logit +inf": dict.fromkeys(range(7), math.inf),
+    "a NaN logit": {3: math.nan},
+}
+
+
+@pytest.mark.parametrize("rule", ["unique", "argmax"])
+@pytest.mark.parametrize("case", list(_NONFINITE_ROWS))
+def test_top1_with_non_finite_row_maximum(case, rule):
+    """top1 is a comparison of logits, also where the row maximum is ±inf (the loop's
+    ``u = s - m`` is NaN at the maximum there): the plain rule on the logits, in float64,
+    over targets at, before, between and after the non-finite classes. A row with a NaN
+    logit has no maximum: top1 is false under both rules (linear_ce.losses.token_logprob)."""
+    x, W, b, _ = _inputs(8, 4, 7, torch.float32, seed=3)
+    for cls, value in _NONFINITE_ROWS[case].items():
+        b[cls] = value
+    t = torch.tensor([0, 2, 4, 1, 6, 4, 0, 2])
+    s = x.double() @ W.double().T + b.double()
+    top = s.max(-1).values
+    first = s.argmax(-1)
+    if rule == "unique":
+        want = ((s == top[:, None]).sum(-1) == 1) & (first == t)
+    else:
+        want = (first == t) & ~top.isnan()
+    for options in (CHUNK2, LinearCrossEntropyOptions(batch_chunk_size=8)):
+        out = linear_ce.token_logprobs(
+            x, W, t, linear_bias=b, top1=True, top1_rule=rule, options=options
+        )
+        assert torch.equal(out.top1, want), (case, rule, out.top1, want)
 
 
 # ---------------------------------------------------------------- edge cases

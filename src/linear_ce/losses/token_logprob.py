@@ -27,7 +27,11 @@ entropy gradient does not cancel where :math:`u_j \approx \mu`. The sum of squar
 probabilities and the mean logit are statistics without a gradient.
 
 ``top1`` says whether the target is the argmax; the maximum is where :math:`u = 0`
-exactly. Two rules for ties: ``"unique"`` (the target is the only class at the
+exactly, or, where the row maximum is infinite, where :math:`u` is NaN
+(:math:`\infty - \infty`: a logit equal to the maximum; every other one gives
+:math:`u = -\infty`), so a class at the maximum is one with :math:`u \not< 0`. A
+row whose maximum is NaN (a NaN logit) has no class at its maximum: ``top1`` is
+false there. Two rules for ties: ``"unique"`` (the target is the only class at the
 maximum; any tie is false) and ``"argmax"`` (the target is ``torch.argmax``'s pick,
 the first class at the maximum: a tie with a later class counts, one with an
 earlier class does not). Both are row sums over the vocabulary, so they hold
@@ -176,7 +180,7 @@ class TokenLogprobHead:
         if self.mean_on:
             torch.sum(u, dim=1, out=out[:, slot["sum_u"]])
         if self.top1_on:
-            out[:, slot["target_is_max"]].copy_((picked == 0.0) & self.owned)
+            out[:, slot["target_is_max"]].copy_(~(picked < 0.0) & self.owned)
             out[:, slot["ties"]].copy_(self._ties(u, target))
         if self.topk:
             # Before the exponential, which may overwrite u; log Z comes in rows_done.
@@ -190,14 +194,16 @@ class TokenLogprobHead:
         classes at it ("unique": more than one breaks it), or whether a class before
         the target reaches it ("argmax")."""
         if self.top1_rule == "argmax":
+            # argmax takes a NaN for the maximum: with an infinite row maximum, the
+            # first class at it.
             first = u.argmax(1)
-            reaches = u.gather(1, first[:, None])[:, 0] == 0.0
+            reaches = ~(u.gather(1, first[:, None])[:, 0] < 0.0)
             return reaches & (first + self.start < target)
         if self._is_max is None or self._is_max.shape[0] < u.shape[0]:
             self._is_max = torch.empty(u.shape, dtype=torch.bool, device=u.device)
         is_max = self._is_max[: u.shape[0]]
-        torch.eq(u, 0.0, out=is_max)
-        return is_max.sum(1)
+        torch.lt(u, 0.0, out=is_max)
+        return is_max.logical_not_().sum(1)
 
     def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if self.entropy_on:
@@ -224,7 +230,8 @@ class TokenLogprobHead:
         if self.top1_on:
             ties = sums[:, slot["ties"]]
             clear = ties == 0 if self.top1_rule == "argmax" else ties == 1
-            self.top1[rows, p] = (sums[:, slot["target_is_max"]] > 0) & clear
+            at_max = (sums[:, slot["target_is_max"]] > 0) & ~stats.row_max.isnan()
+            self.top1[rows, p] = at_max & clear
 
     def grad_tile(
         self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
