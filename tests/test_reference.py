@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linear_ce
 from conftest import eps, rel_err
 from linear_ce import reference
 
@@ -193,3 +194,33 @@ def test_target_integer_dtypes(dtype):
     t = torch.randint(0, C, (N,), generator=gen)
     got = reference.linear_cross_entropy(x, W, t.to(dtype))
     assert rel_err(got, F.cross_entropy(F.linear(x, W), t)) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("bad", "kwargs"),
+    [
+        (C, {}),
+        (-3, {}),
+        (C + 5, {"ignore_index": 2}),
+        (C, {"token_weight": torch.ones(N, dtype=torch.float64)}),
+        (C, {"shift": True}),
+    ],
+)
+def test_out_of_range_target_is_the_package_error(bad, kwargs):
+    """A class index outside [0, C) (and not ignore_index) is the chunked path's clear
+    error, naming the function, the argument, the value and the range; not torch's
+    IndexError from inside cross_entropy, nor a gather past the class weights."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(N, FEAT, generator=gen, dtype=torch.float64)
+    W = torch.randn(C, FEAT, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, C, (N,), generator=gen)
+    t[4] = bad
+    ignored = kwargs.get("ignore_index", -100)
+    want = (
+        rf"^linear_cross_entropy: target contains class index {bad}, outside \[0, {C}\) "
+        rf"and not ignore_index={ignored}$"
+    )
+    with pytest.raises(ValueError, match=want):
+        reference.linear_cross_entropy(x, W, t, **kwargs)
+    with pytest.raises(ValueError, match=want):
+        linear_ce.linear_cross_entropy(x, W, t, **kwargs)

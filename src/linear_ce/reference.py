@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from linear_ce.checks.call import Caller, check_call, check_scale
+from linear_ce.checks.targets import check_targets
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.outputs import LinearCrossEntropyOutput
 
@@ -72,6 +73,8 @@ def linear_cross_entropy(
     transform = LogitTransform(logit_scale, call.softcap, temperature)
     rows, positions = call.input.shape[0], call.linear_weight.shape[1]
     num_classes = call.linear_weight.shape[0]
+    # The chunked path's error, not torch's IndexError from inside cross_entropy.
+    check_targets(call, num_classes)
     flat_weight = call.linear_weight.reshape(num_classes * positions, -1)
     flat_bias = None if call.linear_bias is None else call.linear_bias.reshape(-1)
     logits = F.linear(call.input, flat_weight, flat_bias).view(rows, num_classes, positions)
