@@ -25,9 +25,10 @@ TRL's output           value per token                             gradient
 as :func:`linear_ce.token_logprobs` with ``top1_rule="argmax"``, an output not named in
 ``outputs`` being ``None``. Kept from TRL:
 
-- the compute dtype: the autocast dtype when autocast is on, else the hidden states'
-  dtype; the weight and bias are cast to it. With ``cast_lm_head_to_fp32=True`` TRL
-  hands over fp32 hidden states with autocast off, so the head runs in fp32;
+- the compute dtype without autocast: the hidden states' dtype; the weight and bias
+  are cast to it. With ``cast_lm_head_to_fp32=True`` TRL hands over fp32 hidden states
+  with autocast off, so the head runs in fp32. Under autocast the head runs in the wider
+  of the autocast dtype and the weight's dtype (TRL: the autocast dtype, see below);
 - temperature, logit scale and softcap, in TRL's order (scale, softcap, temperature);
 - ignored labels: their outputs are zero and they carry no gradient. TRL scores only
   the valid positions on Triton devices and every position elsewhere; patched, the
@@ -53,10 +54,20 @@ same pass); the other settings run TRL's own loss. That route does not log ``log
 ``mean_token_accuracy`` (see :mod:`linear_ce.integrations.trl_sequence`).
 
 Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
-its own chunks (``options``). Under autocast with fp32 parameters the weight and input
-gradients come back rounded to the autocast dtype, as a bf16 ``lm_head`` call's do
-(TRL's are fp32 sums). A softcap or logit scale that is not a finite float > 0 is an
-error (TRL would run with it).
+its own chunks (``options``). Under autocast with fp32 parameters (TRL's default config:
+bf16 autocast, also on CPU) the head runs in fp32, the parameters' dtype, where TRL's
+kernel rounds its operands and logits to bf16 and sums the gradient products in fp32: the
+weight and input gradients are fp32 sums within fp32 rounding of the float64 gradient
+(1e-7 against TRL's 2e-3 in a tiny Llama's SFT step). Rounding the operands to bf16 and
+summing in fp32 (CUDA's ``out_dtype`` GEMMs) would only tie with TRL's error (2.078e-3
+against 2.077e-3), and bf16 GEMMs that round each product (a CPU's) or a bf16-rounded
+gradient come out 1.1-1.5x worse. The price is speed where a bf16 head would have run
+half GEMMs: on CUDA with the default ``acc_policy`` nothing (bf16 inputs run fp32 GEMMs
+there too, on fp32 copies); on a CPU with native bf16 GEMMs (AVX512-BF16/AMX), or on
+CUDA under ``acc_policy="balanced"``/``"compact"``, fp32 GEMMs where those ran bf16 ones
+(see ``docs/integrations.md``). Parameters in the autocast dtype (a bf16 model) keep a
+bf16 head. A softcap or logit scale that is not a finite float > 0 is an error (TRL
+would run with it).
 
 Fail loudly: :func:`patch` first checks that the installed TRL has the functions,
 signatures and call site this adapter was written against and raises
@@ -94,6 +105,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
+from linear_ce.integrations.trl_grpo import GRPO_MODULE, GRPOLoss, check_grpo_loss
 from linear_ce.integrations.trl_sequence import DPO_MODULE, DPOLoss, check_dpo_loss, routed_head
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.token_logprobs import token_logprobs_and_stats, token_logprobs_vjp
@@ -144,10 +156,14 @@ def _gather_context(weight: torch.Tensor, bias: torch.Tensor | None):
     return importlib.import_module(_UTILS).maybe_gather_lm_head_ctx(weight, bias)
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head runs in: the hidden states' without autocast (as TRL); under
+    autocast the wider of its dtype and the weight's, so fp32 parameters get fp32
+    gradient sums (TRL's are fp32 too; a bf16 head's come back bf16-rounded, see the
+    module doc)."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
+        return torch.promote_types(torch.get_autocast_dtype(device), weight.dtype)
     return hidden.dtype
 
 
@@ -174,7 +190,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         options: LinearCrossEntropyOptions | None,
     ) -> tuple[torch.Tensor | None, ...]:
         ctx.set_materialize_grads(False)
-        dtype = _compute_dtype(hidden)
+        dtype = _compute_dtype(hidden, weight)
         transform = {
             "temperature": float(temperature),
             "logit_scale": float(logit_scale),
@@ -249,7 +265,7 @@ class _FusedHead:
             weight,
             bias,
             targets,
-            _compute_dtype(hidden),
+            _compute_dtype(hidden, weight),
             {
                 "temperature": float(temperature),
                 "logit_scale": float(logit_scale),
@@ -386,6 +402,7 @@ _SWAPS = (
     _compaction(_UTILS),
     _Swap(_DISTILLATION, "_chunked_divergence_loss", _check_divergence_loss, _DistillationLoss),
     _Swap(DPO_MODULE, "DPOTrainer._compute_loss", check_dpo_loss, DPOLoss),
+    _Swap(GRPO_MODULE, "GRPOTrainer._compute_loss", check_grpo_loss, GRPOLoss),
 )
 
 _PATCH = "linear_ce.integrations.trl.patch"
@@ -465,7 +482,7 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
         owner, attribute = _owner(swap.module, swap.name)
         replacement = swap.make(options)
         original = getattr(owner, attribute)
-        if isinstance(replacement, DPOLoss):
+        if isinstance(replacement, (DPOLoss, GRPOLoss)):
             replacement.original = original  # the calls it leaves on TRL's route
         _originals[swap.module, swap.name] = original
         _installed[swap.module, swap.name] = replacement

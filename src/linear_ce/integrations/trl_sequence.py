@@ -30,10 +30,12 @@ CPU (the sequence dtype), where TRL's is in the head's dtype; TRL's clamp of the
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import importlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,7 +44,14 @@ from linear_ce.objectives import SequenceObjective, dpo
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.sequence_objective import SequenceObjectiveOutput, sequence_objective
 
-__all__ = ["DPO_ROUTED_LOSSES", "DPOLoss", "check_dpo_loss", "routed_head"]
+__all__ = [
+    "DPO_ROUTED_LOSSES",
+    "DPOLoss",
+    "PolicyCall",
+    "answering",
+    "check_dpo_loss",
+    "routed_head",
+]
 
 DPO_MODULE = "trl.trainer.dpo_trainer"
 
@@ -86,22 +95,45 @@ _TRAINER_ATTRIBUTES = (
 
 
 @dataclasses.dataclass
-class _PolicyCall:
-    """The policy forward of one routed DPO step: what TRL's fused head computes instead
-    of per-token log-probabilities (``sequence`` ids of the scored positions, the objective
-    and its side input), and what it got."""
+class PolicyCall:
+    """The policy forward of one routed step (DPO, GRPO, KTO): what TRL's fused head
+    computes instead of per-token log-probabilities, and what it got.
+
+    ``sequence``: the sequence id of each position the head scores, in TRL's compacted
+    (row-major) order (negative: scored by TRL's head, but in no sequence of the loss);
+    ``side``: the objective's side inputs, per sequence or per scored position;
+    ``group`` and ``reduction``: as :func:`linear_ce.sequence_objective`'s; ``trainer``
+    names the trainer in errors. ``result`` is set by the head."""
 
     objective: SequenceObjective
     sequence: torch.Tensor
-    ref_logprob: torch.Tensor
+    side: dict[str, torch.Tensor]
     options: LinearCrossEntropyOptions | None
+    trainer: str
+    group: str | None = "pairs"
+    reduction: str = "mean"
     result: SequenceObjectiveOutput | None = None
-    entropy_sum: torch.Tensor | None = None
 
 
-_POLICY_CALL: contextvars.ContextVar[_PolicyCall | None] = contextvars.ContextVar(
+_POLICY_CALL: contextvars.ContextVar[PolicyCall | None] = contextvars.ContextVar(
     "linear_ce_trl_policy_call", default=None
 )
+
+
+@contextlib.contextmanager
+def answering(call: PolicyCall) -> Iterator[PolicyCall]:
+    """Inside the block, the first call of TRL's fused head (patched) is answered by
+    :func:`routed_head` with ``call``; the block raises if the head was not called."""
+    token = _POLICY_CALL.set(call)
+    try:
+        yield call
+    finally:
+        _POLICY_CALL.reset(token)
+    if call.result is None:
+        raise RuntimeError(
+            f"linear_ce.integrations.trl: the {call.trainer} policy forward did not call "
+            "TRL's fused LM head; unpatch TRL for this model"
+        )
 
 
 def routed_head(
@@ -112,18 +144,20 @@ def routed_head(
     dtype: torch.dtype,
     transform: dict[str, Any],
 ) -> tuple[torch.Tensor | None, ...] | None:
-    """TRL's fused head inside a routed DPO step's policy forward: the sequence objective
-    on the scored positions (``hidden`` and ``targets`` compacted, row by row), its result
-    kept for :class:`DPOLoss`, and zero log-probabilities (without gradient) handed back
-    to TRL's forward in their place. ``None`` outside such a forward."""
+    """TRL's fused head inside a routed step's policy forward: the sequence objective on
+    the scored positions (``hidden`` and ``targets`` compacted, row by row), its result
+    kept in the :class:`PolicyCall`, and zero log-probabilities and entropies (without
+    gradient) handed back to TRL's forward in their place. ``None`` outside such a
+    forward."""
     call = _POLICY_CALL.get()
     if call is None or call.result is not None:
         return None
     if targets.shape != call.sequence.shape:
         raise RuntimeError(
-            f"linear_ce.integrations.trl: the DPO policy forward scored {targets.shape[0]} "
-            f"positions, its completion mask marks {call.sequence.shape[0]}; the model's "
-            "forward changes the positions (prompt-learning adapters do): unpatch TRL for it"
+            f"linear_ce.integrations.trl: the {call.trainer} policy forward scored "
+            f"{targets.shape[0]} positions, its completion mask marks {call.sequence.shape[0]}; "
+            "the model's forward changes the positions (prompt-learning adapters do): unpatch "
+            "TRL for it"
         )
     with torch.autocast(hidden.device.type, enabled=False):
         call.result = sequence_objective(
@@ -132,14 +166,16 @@ def routed_head(
             targets,
             call.objective,
             sequence=call.sequence,
-            group="pairs",
+            group=call.group,
             linear_bias=None if bias is None else bias.to(dtype),
             entropy=True,
+            reduction=call.reduction,
             options=call.options,
-            ref_logprob=call.ref_logprob,
+            **call.side,
             **transform,
         )
-    return hidden.new_zeros(targets.shape, dtype=dtype), None, None, None, None
+    zeros = hidden.new_zeros(targets.shape, dtype=dtype)
+    return zeros, zeros, None, None, None
 
 
 def _objective(trainer: Any) -> SequenceObjective | None:
@@ -234,17 +270,9 @@ def _routed_loss(
         needs_entropy=True,
     )
     rows = torch.arange(scored.shape[0], device=scored.device)[:, None].expand_as(scored)
-    call = _PolicyCall(logged, rows[scored].to(labels.device), ref, options)
-    token = _POLICY_CALL.set(call)
-    try:
+    call = PolicyCall(logged, rows[scored].to(labels.device), {"ref_logprob": ref}, options, "DPO")
+    with answering(call):
         outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
-    finally:
-        _POLICY_CALL.reset(token)
-    if call.result is None:
-        raise RuntimeError(
-            "linear_ce.integrations.trl: the DPO policy forward did not call TRL's fused LM "
-            "head; unpatch TRL for this model"
-        )
     loss = call.result.loss
     if trainer.aux_loss_enabled:
         loss = loss + trainer.router_aux_loss_coef * outputs.aux_loss

@@ -1,0 +1,385 @@
+r"""TRL's GRPO loss at ``importance_sampling_level="sequence"`` (GSPO) on
+:func:`linear_ce.sequence_objective`: three GEMMs per step.
+
+TRL 1.16's ``GRPOTrainer._compute_loss`` runs the policy's fused LM head for per-token
+log-probabilities and entropies (one GEMM forward, three in backward: four), then forms
+the loss in torch. With ``importance_sampling_level="sequence"`` each completion's
+importance ratio is the geometric mean of its tokens',
+:math:`s = \exp\big(\sum_t (\log p_t - \log p^{old}_t) / |y|\big)`, a function of the
+sequence's summed log-probability: its stand-in here forms the loss inside the head's pass
+(:func:`linear_ce.objectives.gspo` for the clipped surrogate, TRL's KL term per token with
+its sequence-ratio correction, the entropy bonus), so the gradients are formed in the same
+pass, three GEMMs. TRL's forward (its batching, multimodal inputs, autocast, MoE auxiliary
+loss) runs unchanged around the head, through ``_get_per_token_logps_and_entropies``.
+
+Routed: ``loss_type`` ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and ``luspo`` (the clipped
+surrogate; each with its own aggregation), with ``delta``, ``beta`` (and
+``use_bias_correction_kl``), a static ``entropy_coef``, a tool mask, completions without a
+token (as TRL: they count in the means with a zero loss), MoE's auxiliary loss. Kept on
+TRL's own ``_compute_loss`` (unchanged):
+
+- ``importance_sampling_level="token"``: the ratio is per token, not a function of
+  sequence sums (:func:`linear_ce.token_objective` territory);
+- ``loss_type`` ``sapo``, ``cispo`` and ``vespo``: not the clipped surrogate
+  :func:`~linear_ce.objectives.gspo` computes;
+- ``top_entropy_quantile < 1``: the token mask is a quantile of every token's entropy over
+  every process, known only after the whole batch's entropies, so no token's gradient is
+  known inside the pass;
+- ``use_adaptive_entropy``: the controller's window statistics and coefficient updates are
+  TRL's trainer state;
+- ``off_policy_mask_threshold`` and vLLM's importance-sampling correction: they read
+  vLLM's sampling log-probabilities, which this adapter's tests cannot produce;
+- advantages per token (a subclass's ``(B, T)``), a ``delta`` below ``1 + epsilon_high``
+  (:func:`~linear_ce.objectives.gspo` refuses it), a batch with no completion token.
+
+Logged as TRL logs them: ``entropy``, ``kl``, ``clip_ratio/low_mean``,
+``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``,
+``clip_ratio/high_max``, ``policy_loss`` and ``entropy_coef`` (with an entropy bonus),
+``aux_loss``. The loss is formed in float64 on CPU (the sequence dtype), where TRL's is
+in the head's dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+
+from linear_ce.integrations.trl_sequence import PolicyCall, answering
+from linear_ce.objectives import SequenceBatch, SequenceObjective, gspo
+from linear_ce.options import LinearCrossEntropyOptions
+
+__all__ = ["GRPO_MODULE", "GRPO_ROUTED_LOSSES", "GRPOLoss", "check_grpo_loss"]
+
+GRPO_MODULE = "trl.trainer.grpo_trainer"
+
+#: TRL 1.16's GRPO loss types this route computes at the sequence level.
+GRPO_ROUTED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# The loss types whose loss is a mean of per-sequence token means (the others sum tokens).
+_PER_SEQUENCE_MEAN = ("grpo",)
+# The inputs of TRL's forward helper that _compute_loss passes from the batch.
+_FORWARD_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+# What the stand-in reads of the trainer: set by TRL 1.16's GRPOTrainer.__init__.
+_TRAINER_ATTRIBUTES = (
+    "beta",
+    "loss_type",
+    "importance_sampling_level",
+    "epsilon_low",
+    "epsilon_high",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "_entropy_bonus_enabled",
+    "off_policy_mask_threshold",
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+    "max_completion_length",
+    "aux_loss_enabled",
+    "router_aux_loss_coef",
+    "_metrics",
+)
+# What TRL 1.16's _compute_loss reads that the stand-in reads the same way.
+_LOSS_READS = (
+    "_get_per_token_logps_and_entropies",
+    "current_gradient_accumulation_steps",
+    "use_bias_correction_kl",
+    "delta",
+    "steps_per_generation",
+    "num_processes",
+)
+_LOSS_CONSTANTS = (
+    "sequence",
+    "advantages",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "num_items_in_batch",
+    "tool_mask",
+    *GRPO_ROUTED_LOSSES,
+)
+
+
+def _routable(trainer: Any, inputs: dict) -> bool:
+    """Whether this call's settings are the route's (else TRL's own loss runs)."""
+    return (
+        trainer.importance_sampling_level == "sequence"
+        and trainer.loss_type in GRPO_ROUTED_LOSSES
+        and trainer.top_entropy_quantile >= 1.0
+        and not trainer.use_adaptive_entropy
+        and trainer.off_policy_mask_threshold is None
+        and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+        and inputs["advantages"].dim() == 1
+    )
+
+
+def _surrogate(trainer: Any) -> SequenceObjective | None:
+    try:
+        return gspo(
+            float(trainer.epsilon_low),
+            float(trainer.epsilon_high),
+            delta=None if trainer.args.delta is None else float(trainer.args.delta),
+        )
+    except ValueError:
+        return None  # a setting TRL accepts and gspo() refuses: TRL's own loss
+
+
+class GRPOLoss:
+    """Stands in for ``GRPOTrainer._compute_loss`` (a method: bound through ``__get__``)."""
+
+    def __init__(self, options: LinearCrossEntropyOptions | None, original: Any = None) -> None:
+        self.options = options
+        self.original = original
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return lambda model, inputs: self(trainer, model, inputs)
+
+    def __call__(self, trainer: Any, model: Any, inputs: dict) -> Any:
+        surrogate = _surrogate(trainer) if _routable(trainer, inputs) else None
+        if surrogate is None or not bool(_loss_mask(inputs).any()):
+            return self.original(trainer, model, inputs)
+        return _routed_loss(trainer, model, inputs, surrogate, self.options)
+
+
+def _loss_mask(inputs: dict) -> torch.Tensor:
+    """TRL's ``mask``: the completion tokens the loss reads (a tool mask drops some)."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
+def _ratio(batch: SequenceBatch) -> torch.Tensor:
+    """Each sequence's importance ratio as :func:`linear_ce.objectives.gspo` forms it."""
+    if "old_logprob" in batch.token_side:
+        old = batch.sum_tokens(batch.token_side["old_logprob"])
+    else:
+        old = batch.logprob.detach()
+    return torch.exp((batch.logprob - old) / batch.length)
+
+
+class _Sums:
+    """Detached sums the objective adds up over the pass's chunks (for the metrics)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.values.setdefault(name, []).append(value.detach())
+
+    def total(self, name: str) -> torch.Tensor:
+        return torch.stack(self.values[name]).sum()
+
+
+def _objective(
+    trainer: Any,
+    surrogate: SequenceObjective,
+    denominator: torch.Tensor,
+    tokens: torch.Tensor,
+    steps: float,
+    sums: _Sums,
+) -> SequenceObjective:
+    r"""The step's loss as one objective whose sum (``reduction="sum"``) is TRL's loss:
+    per sequence :math:`c_b = (|y_b|\,\ell_b + \beta \sum_t k_t)\,/\,D` (divided by
+    :math:`|y_b|` for ``grpo``), with :math:`\ell_b` the clipped surrogate, :math:`k_t`
+    TRL's per-token KL, :math:`D` the loss type's denominator, less the entropy bonus
+    :math:`c \sum_t H_t / (n\,a)` (``n`` loss tokens, ``a`` accumulation steps)."""
+    beta, bias_correction = float(trainer.beta), bool(trainer.args.use_bias_correction_kl)
+    per_mean = trainer.loss_type in _PER_SEQUENCE_MEAN
+    bonus = float(trainer.entropy_coef) if trainer._entropy_bonus_enabled else 0.0
+
+    def fn(batch: SequenceBatch) -> torch.Tensor:
+        loss = surrogate(batch) * batch.length
+        if beta != 0.0:
+            log_ratio = batch.token_side["ref_logprob"] - batch.token_logprob
+            kl = torch.exp(log_ratio) - log_ratio - 1
+            if bias_correction:
+                kl = kl * batch.per_token(_ratio(batch))
+            sums.add("kl", kl.sum())
+            loss = loss + beta * batch.sum_tokens(kl)
+        if per_mean:
+            loss = loss / batch.length
+        loss = loss / denominator
+        sums.add("policy", loss.sum())
+        sums.add("entropy", batch.entropy.sum())
+        if bonus != 0.0:
+            loss = loss - bonus * batch.sum_tokens(batch.entropy) / (tokens.clamp(min=1.0) * steps)
+        return loss
+
+    return SequenceObjective(
+        fn,
+        f"trl_grpo({trainer.loss_type}, {surrogate.name})",
+        per="sequence",
+        side=("advantage",),
+        needs_entropy=True,
+    )
+
+
+def _denominator(trainer: Any, inputs: dict, rows: int, tokens: torch.Tensor, mode: str):
+    """What TRL 1.16 divides the summed per-sequence losses by, per loss type, and the
+    factor from the divided loss to the logged ``policy_loss`` (the accumulation steps,
+    which ``dapo``'s logged loss keeps)."""
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    loss_type = trainer.loss_type
+    if loss_type in ("grpo", "luspo"):
+        return rows * accumulation, accumulation
+    if loss_type == "bnpo":
+        return tokens.clamp(min=1.0) * accumulation, accumulation
+    if loss_type == "dr_grpo":
+        return rows * trainer.max_completion_length * accumulation, accumulation
+    # dapo: the generation batch's tokens, rescaled to one accumulation window
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    if mode == "train":
+        normalizer = normalizer * trainer.current_gradient_accumulation_steps
+        normalizer = normalizer / trainer.args.steps_per_generation
+    return normalizer, 1.0
+
+
+def _routed_loss(
+    trainer: Any,
+    model: Any,
+    inputs: dict,
+    surrogate: SequenceObjective,
+    options: LinearCrossEntropyOptions | None,
+) -> torch.Tensor:
+    mode = "train" if trainer.model.training else "eval"
+    completion_mask = inputs["completion_mask"]
+    mask = _loss_mask(inputs)
+    scored, kept = completion_mask.bool(), mask.bool()  # the head's positions; the loss's
+    lengths = kept.sum(1)
+    present = lengths > 0
+    ids = torch.where(kept, (present.cumsum(0) - 1)[:, None], -1)[scored]
+    rows = completion_mask.shape[0]
+    tokens = lengths.sum().to(torch.float64)
+    denominator, accumulation = _denominator(trainer, inputs, rows, tokens, mode)
+    sums = _Sums()
+    steps = float(trainer.current_gradient_accumulation_steps) if mode == "train" else 1.0
+    objective = _objective(trainer, surrogate, denominator, tokens, steps, sums)
+    side = {"advantage": inputs["advantages"][present].detach()}
+    old = inputs.get("old_per_token_logps")
+    if old is not None:
+        side["old_logprob"] = old[scored].detach()
+    if trainer.beta != 0.0:
+        side["ref_logprob"] = inputs["ref_per_token_logps"][scored].detach()
+
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+    call = PolicyCall(objective, ids, side, options, "GRPO", group=None, reduction="sum")
+    with answering(call):
+        _, _, aux_loss = trainer._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_mask.size(1),
+            compute_entropy=True,
+            compute_aux_loss=trainer.aux_loss_enabled,
+            **{name: inputs.get(name) for name in _FORWARD_INPUTS},
+        )
+    result = call.result
+    loss = result.loss
+    if trainer._entropy_bonus_enabled:
+        policy = sums.total("policy") * accumulation
+        trainer._metrics[mode]["policy_loss"].append(
+            trainer.accelerator.gather(policy.to(torch.float32)).nanmean().item()
+        )
+        if mode == "train" and trainer.accelerator.sync_gradients:
+            trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
+    if trainer.aux_loss_enabled:
+        normalizer = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / normalizer
+        trainer._metrics[mode]["aux_loss"].append(
+            trainer.accelerator.gather_for_metrics(aux_loss).mean().item()
+        )
+    _log(trainer, mode, inputs, result.logprob_sum, present, lengths, tokens, sums)
+    return loss
+
+
+def _log(trainer, mode, inputs, logprob_sum, present, lengths, tokens, sums) -> None:
+    """TRL's GRPO metrics from the pass's sums (reduced over processes as TRL does)."""
+    accelerator, metrics = trainer.accelerator, trainer._metrics[mode]
+
+    def mean(total: torch.Tensor, count: torch.Tensor) -> float:
+        totals = accelerator.reduce(torch.stack([total, count]).to(torch.float32), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if trainer.beta != 0.0:
+        metrics["kl"].append(mean(sums.total("kl"), tokens))
+    metrics["entropy"].append(mean(sums.total("entropy"), tokens))
+
+    # The clip statistics of every completion, TRL's ratio of 1 for one without a token.
+    log_ratio = torch.zeros(present.shape, dtype=logprob_sum.dtype, device=logprob_sum.device)
+    old = inputs.get("old_per_token_logps")
+    if old is not None:
+        kept = _loss_mask(inputs).bool()
+        old_sum = torch.where(kept, old.to(logprob_sum.dtype), 0.0).sum(1)[present]
+        log_ratio[present] = (logprob_sum - old_sum) / lengths[present]
+    ratio = torch.exp(log_ratio)
+    if trainer.args.delta is not None:
+        ratio = ratio.clamp(max=trainer.args.delta)  # TRL caps it before its clip statistics
+    advantages = inputs["advantages"].to(ratio.dtype)
+    low = ((ratio < 1 - trainer.epsilon_low) & (advantages < 0)).to(torch.float64)
+    high = ((ratio > 1 + trainer.epsilon_high) & (advantages > 0)).to(torch.float64)
+    rows = torch.tensor(float(low.numel()), dtype=torch.float64, device=low.device)
+    metrics["clip_ratio/low_mean"].append(mean(low.sum(), rows))
+    metrics["clip_ratio/high_mean"].append(mean(high.sum(), rows))
+    metrics["clip_ratio/region_mean"].append(mean(torch.maximum(low, high).sum(), rows))
+    metrics["clip_ratio/low_min"].append(accelerator.gather(low.float()).min().item())
+    metrics["clip_ratio/high_max"].append(accelerator.gather(high.float()).max().item())
+
+
+def _keywords(function: Any) -> set[str]:
+    """The string constants of ``function``'s code, keyword names of its calls included."""
+    names = set()
+    for const in function.__code__.co_consts:
+        names.update(
+            c for c in (const if isinstance(const, tuple) else (const,)) if isinstance(c, str)
+        )
+    return names
+
+
+def check_grpo_loss(current: object) -> str | None:
+    """What differs from TRL 1.16's ``GRPOTrainer`` in what :class:`GRPOLoss` relies on."""
+    if isinstance(current, GRPOLoss):
+        return None
+    trainer = getattr(importlib.import_module(GRPO_MODULE), "GRPOTrainer", None)
+    if trainer is None:
+        return f"{GRPO_MODULE}.GRPOTrainer is missing"
+    params = tuple(inspect.signature(current).parameters) if callable(current) else ()
+    if params != ("self", "model", "inputs"):
+        return f"GRPOTrainer._compute_loss takes {params}, not (self, model, inputs)"
+    forward = getattr(trainer, "_get_per_token_logps_and_entropies", None)
+    wanted = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
+    if forward is None:
+        return "GRPOTrainer._get_per_token_logps_and_entropies is missing"
+    forward_params = tuple(inspect.signature(forward).parameters)
+    missing = [
+        p
+        for p in (*wanted, "compute_entropy", "compute_aux_loss", *_FORWARD_INPUTS)
+        if p not in forward_params
+    ]
+    if forward_params[: len(wanted)] != wanted or missing:
+        return f"GRPOTrainer._get_per_token_logps_and_entropies takes {forward_params}"
+    if "fused_lm_head" not in _keywords(inspect.unwrap(forward)):
+        return "GRPOTrainer._get_per_token_logps_and_entropies no longer calls the fused LM head"
+    assigned = set(trainer.__init__.__code__.co_names)
+    missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
+    if missing:
+        return f"GRPOTrainer.__init__ no longer sets {', '.join(missing)}"
+    code = current.__code__
+    missing = [name for name in _LOSS_READS if name not in code.co_names]
+    known = _keywords(current)
+    missing += [name for name in _LOSS_CONSTANTS if name not in known]
+    if missing:
+        return f"GRPOTrainer._compute_loss no longer reads {', '.join(missing)}"
+    return None
