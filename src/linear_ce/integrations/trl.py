@@ -95,6 +95,7 @@ import torch
 
 from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
 from linear_ce.integrations.trl_grpo import GRPO_MODULE, GRPOLoss, check_grpo_loss
+from linear_ce.integrations.trl_kto import KTO_MODULE, KTOLoss, check_kto_loss
 from linear_ce.integrations.trl_sequence import DPO_MODULE, DPOLoss, check_dpo_loss, routed_head
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.token_logprobs import token_logprobs_and_stats, token_logprobs_vjp
@@ -388,6 +389,7 @@ _SWAPS = (
     _Swap(_DISTILLATION, "_chunked_divergence_loss", _check_divergence_loss, _DistillationLoss),
     _Swap(DPO_MODULE, "DPOTrainer._compute_loss", check_dpo_loss, DPOLoss),
     _Swap(GRPO_MODULE, "GRPOTrainer._compute_loss", check_grpo_loss, GRPOLoss),
+    _Swap(KTO_MODULE, "KTOTrainer._compute_loss", check_kto_loss, KTOLoss),
 )
 
 _PATCH = "linear_ce.integrations.trl.patch"
@@ -467,7 +469,7 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
         owner, attribute = _owner(swap.module, swap.name)
         replacement = swap.make(options)
         original = getattr(owner, attribute)
-        if isinstance(replacement, (DPOLoss, GRPOLoss)):
+        if isinstance(replacement, (DPOLoss, GRPOLoss, KTOLoss)):
             replacement.original = original  # the calls it leaves on TRL's route
         _originals[swap.module, swap.name] = original
         _installed[swap.module, swap.name] = replacement

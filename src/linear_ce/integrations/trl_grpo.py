@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from linear_ce.integrations.trl_sequence import PolicyCall, answering
+from linear_ce.integrations.trl_sequence import PolicyCall, answering, code_constants
 from linear_ce.objectives import SequenceBatch, SequenceObjective, gspo
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -338,16 +338,6 @@ def _log(trainer, mode, inputs, logprob_sum, present, lengths, tokens, sums) -> 
     metrics["clip_ratio/high_max"].append(accelerator.gather(high.float()).max().item())
 
 
-def _keywords(function: Any) -> set[str]:
-    """The string constants of ``function``'s code, keyword names of its calls included."""
-    names = set()
-    for const in function.__code__.co_consts:
-        names.update(
-            c for c in (const if isinstance(const, tuple) else (const,)) if isinstance(c, str)
-        )
-    return names
-
-
 def check_grpo_loss(current: object) -> str | None:
     """What differs from TRL 1.16's ``GRPOTrainer`` in what :class:`GRPOLoss` relies on."""
     if isinstance(current, GRPOLoss):
@@ -370,7 +360,7 @@ def check_grpo_loss(current: object) -> str | None:
     ]
     if forward_params[: len(wanted)] != wanted or missing:
         return f"GRPOTrainer._get_per_token_logps_and_entropies takes {forward_params}"
-    if "fused_lm_head" not in _keywords(inspect.unwrap(forward)):
+    if "fused_lm_head" not in code_constants(inspect.unwrap(forward)):
         return "GRPOTrainer._get_per_token_logps_and_entropies no longer calls the fused LM head"
     assigned = set(trainer.__init__.__code__.co_names)
     missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
@@ -378,7 +368,7 @@ def check_grpo_loss(current: object) -> str | None:
         return f"GRPOTrainer.__init__ no longer sets {', '.join(missing)}"
     code = current.__code__
     missing = [name for name in _LOSS_READS if name not in code.co_names]
-    known = _keywords(current)
+    known = code_constants(current)
     missing += [name for name in _LOSS_CONSTANTS if name not in known]
     if missing:
         return f"GRPOTrainer._compute_loss no longer reads {', '.join(missing)}"

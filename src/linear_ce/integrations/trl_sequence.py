@@ -50,6 +50,7 @@ __all__ = [
     "PolicyCall",
     "answering",
     "check_dpo_loss",
+    "code_constants",
     "routed_head",
 ]
 
@@ -306,6 +307,17 @@ def _log(trainer, mode, inputs, result, ref, entropy_sum, scored) -> None:
     metrics["rewards/margins"].append(accelerator.gather(chosen - rejected).mean().item())
     metrics["logps/chosen"].append(accelerator.gather(chosen_logps).mean().item())
     metrics["logps/rejected"].append(accelerator.gather(rejected_logps).mean().item())
+
+
+def code_constants(function: Any) -> set[str]:
+    """The string constants of ``function``'s code, the keyword names of its calls
+    included (what the installed-TRL checks read of a method TRL may change)."""
+    names = set()
+    for const in function.__code__.co_consts:
+        names.update(
+            c for c in (const if isinstance(const, tuple) else (const,)) if isinstance(c, str)
+        )
+    return names
 
 
 def check_dpo_loss(current: object) -> str | None:
