@@ -4,8 +4,8 @@ The round trip an offline distillation pipeline makes, at a size that runs on a 
 
 1. train a teacher (a tiny Llama) on a shipped text, keeping its weights of best held-out loss;
 2. run it once over the training text and store, per position, its ``k`` most likely next
-   tokens and their log-probabilities (ids ``int32``, log-probs ``bfloat16``: the usual
-   storage) in a file;
+   tokens and their log-probabilities (``linear_ce.token_logprobs(..., topk=k)``: no
+   ``(N, V)`` logits; ids ``int32``, log-probs ``bfloat16``: the usual storage) in a file;
 3. train a smaller student from that file with ``linear_ce.sparse_divergence`` (forward KL
    against the stored top-k: the teacher is never run again), once per treatment of the
    teacher's mass outside its top-k (``mass="renormalize"`` and ``mass="rest"``), next to
@@ -17,10 +17,6 @@ cross-entropy on held-out text (the last tenth of it, which also picks the teach
 checkpoint: a demonstration, not a benchmark) against the teacher's::
 
     python examples/sparse_distillation.py --out docs/sparse_distillation.png
-
-The teacher's top-k is formed by :func:`teacher_topk`, a plain loop over chunks of
-positions (one ``(chunk, V)`` logits block at a time); it becomes a call of
-``linear_ce.token_logprobs(..., topk=k)`` once that output exists (issue 33, part 2).
 """
 
 from __future__ import annotations
@@ -74,23 +70,6 @@ def hidden_states(model, tokens):
     return model.model(input_ids=tokens, use_cache=False).last_hidden_state, model.lm_head.weight
 
 
-def teacher_topk(hidden, weight, k: int, chunk: int = 1024):
-    """The ``k`` largest next-token log-probabilities of each position of ``hidden``
-    ``(…, F)`` under the head ``weight`` ``(V, F)`` and their ids: ``(…, k)`` each, a chunk
-    of positions at a time (the logits of one chunk at most)."""
-    import torch
-
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    values, ids = [], []
-    for start in range(0, rows.shape[0], chunk):
-        logprobs = torch.log_softmax(rows[start : start + chunk].float() @ weight.float().T, -1)
-        top = logprobs.topk(k, dim=-1)
-        values.append(top.values)
-        ids.append(top.indices)
-    shape = (*hidden.shape[:-1], k)
-    return torch.cat(values).view(shape), torch.cat(ids).view(shape)
-
-
 def windows(ids: list[int], seq: int):
     """The token ids cut into consecutive windows ``(count, seq)``."""
     import torch
@@ -130,13 +109,22 @@ def train_teacher(args, train, held, vocab: int):
 
 
 def store_teacher(model, train, k: int, path: pathlib.Path) -> None:
-    """Run the teacher once over every training window; store its top-k per position."""
+    """Run the teacher once over every training window; store its top-k per position.
+
+    ``shift=True`` scores position ``t`` against token ``t + 1``, as the student does: the
+    last position of each window has no next token, so its slots are empty (id ``-1``,
+    log-prob ``-inf``), and the student, also ``shift=True``, never reads them."""
     import torch
+
+    import linear_ce
 
     with torch.no_grad():
         hidden, weight = hidden_states(model, train)
-        logprobs, ids = teacher_topk(hidden, weight, k)
-    torch.save({"ids": ids.to(torch.int32), "logprobs": logprobs.to(torch.bfloat16)}, path)
+        out = linear_ce.token_logprobs(hidden, weight, train, shift=True, topk=k)
+    torch.save(
+        {"ids": out.topk_ids.to(torch.int32), "logprobs": out.topk_logprobs.to(torch.bfloat16)},
+        path,
+    )
 
 
 def held_out_loss(model, held) -> float:

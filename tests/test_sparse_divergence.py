@@ -698,5 +698,11 @@ def test_example_runs_at_a_tiny_size(tmp_path):
     stored = torch.load(tmp_path / "topk.pt")
     assert stored["ids"].dtype == torch.int32 and stored["logprobs"].dtype == torch.bfloat16
     assert stored["ids"].shape[-2:] == (16, 4)
+    # token_logprobs(shift=True, topk=k): the last position of a window has no next token,
+    # so its slots are empty; every other position has k distinct ids, log-probs descending.
+    assert (stored["ids"][:, -1] == -1).all()
+    assert (stored["logprobs"][:, -1] == -torch.inf).all()
+    kept_ids, kept = stored["ids"][:, :-1], stored["logprobs"][:, :-1].float()
+    assert (kept_ids >= 0).all() and (kept <= 0).all() and (kept.diff(dim=-1) <= 0).all()
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert proc.stdout.splitlines()[3].startswith("held-out cross-entropy: teacher")
