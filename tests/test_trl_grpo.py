@@ -27,6 +27,7 @@ from trl.kernels import chunked_logprob  # noqa: E402
 
 import linear_ce.integrations.trl_sequence as trl_sequence  # noqa: E402
 from conftest import eps, rel_err  # noqa: E402
+from linear_ce import LinearCrossEntropyOptions  # noqa: E402
 from linear_ce.integrations import trl as lce_trl  # noqa: E402
 from test_trl import _common, _llama, _reward, _sentences, _tokenizer  # noqa: E402
 
@@ -193,7 +194,7 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, **config):
+def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options=None, **config):
     trainer = _trainer(tmp_path, **config)
     inputs = _batch(trainer, beta, **(batch or {}))
     # The adaptive entropy controller's state, which a step moves: both runs start from it.
@@ -202,7 +203,7 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, **confi
     for key, value in state.items():
         setattr(trainer, key, value)
     routed.update(sequence=0, kernel=0)
-    with lce_trl.patched():
+    with lce_trl.patched(options):
         got, got_grads, got_metrics = _step(trainer, inputs)
     assert routed["kernel"] == 0
     assert routed["sequence"] == (1 if expect_route else 0), routed
@@ -251,6 +252,22 @@ def test_routed_gspo_matches_trl(tmp_path, routed, beta, batch, config):
     metrics = _compare(tmp_path, routed, True, beta=beta, batch=batch, **config)
     if not batch.get("on_policy"):  # the batch clips on both sides
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+
+
+def test_routed_gspo_in_many_chunks(tmp_path, routed):
+    """Chunks of 6 scored tokens: a completion (at most 6) per chunk or two, the objective
+    and the logged sums added up over every chunk of the pass."""
+    options = LinearCrossEntropyOptions(batch_chunk_size=6, chunking_method=None)
+    _compare(
+        tmp_path,
+        routed,
+        True,
+        beta=0.04,
+        batch={"tool_mask": True},
+        options=options,
+        use_bias_correction_kl=True,
+        entropy_coef=0.01,
+    )
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from trl.kernels import chunked_logprob  # noqa: E402
 
 import linear_ce.integrations.trl_sequence as trl_sequence  # noqa: E402
 from conftest import eps, rel_err  # noqa: E402
+from linear_ce import LinearCrossEntropyOptions  # noqa: E402
 from linear_ce.integrations import trl as lce_trl  # noqa: E402
 from test_trl import _common, _llama, _sentences, _tokenizer  # noqa: E402
 
@@ -134,13 +135,13 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _compare(tmp_path, routed, expect_route: bool, return_outputs=False, **config):
+def _compare(tmp_path, routed, expect_route: bool, return_outputs=False, options=None, **config):
     trainer = _trainer(tmp_path, **config)
     trainer.model.train()
     inputs = next(iter(trainer.get_train_dataloader()))
     loss, grads, metrics = _step(trainer, inputs, return_outputs)
     routed.update(sequence=0, kernel=0)
-    with lce_trl.patched():
+    with lce_trl.patched(options):
         got, got_grads, got_metrics = _step(trainer, inputs, return_outputs)
     assert routed["kernel"] == 0
     assert routed["sequence"] == (1 if expect_route else 0), routed
@@ -177,6 +178,14 @@ def test_routed_kto_matches_trl(tmp_path, routed, config):
     metrics = _compare(tmp_path, routed, True, **config)
     if config.get("loss_type", "kto") == "kto":  # the reference point is in play
         assert metrics["kl"] > 0
+
+
+def test_routed_kto_in_many_chunks(tmp_path, routed):
+    """Chunks of 4 scored tokens: a completion per chunk (longer ones take the four-GEMM
+    path), the objective and the entropy summed over every chunk."""
+    options = LinearCrossEntropyOptions(batch_chunk_size=4, chunking_method=None)
+    metrics = _compare(tmp_path, routed, True, options=options)
+    assert metrics["kl"] > 0
 
 
 def test_return_outputs_stays_trls(tmp_path, routed):
