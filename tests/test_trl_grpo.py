@@ -162,9 +162,19 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
     ratio = torch.exp(((token - old) * mask).sum(1) / n.clamp(min=1))  # geometric mean
     adv = inputs["advantages"].double()
     low, high, delta = trainer.epsilon_low, trainer.epsilon_high, trainer.args.delta
-    capped = ratio if delta is None else ratio.clamp(max=delta)
-    surrogate = -torch.min(capped * adv, ratio.clamp(1 - low, 1 + high) * adv)
-    per_token = surrogate[:, None].expand_as(token)
+    loss_type = trainer.loss_type
+    if loss_type == "sapo":  # a soft gate, its temperature by the advantage's sign
+        tau = torch.where(
+            adv > 0, trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg
+        )
+        surrogate = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+        per_token = surrogate[:, None].expand_as(token)
+    elif loss_type == "cispo":  # the capped ratio, without gradient, weighs log p
+        per_token = -ratio.clamp(max=high).detach()[:, None] * adv[:, None] * token
+    else:
+        capped = ratio if delta is None else ratio.clamp(max=delta)
+        surrogate = -torch.min(capped * adv, ratio.clamp(1 - low, 1 + high) * adv)
+        per_token = surrogate[:, None].expand_as(token)
     if trainer.beta != 0:
         d = inputs["ref_per_token_logps"].double() - token
         kl = torch.exp(d) - d - 1
@@ -174,8 +184,7 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
     sums = (per_token * mask).sum(1)
     steps = trainer.current_gradient_accumulation_steps
     rows = token.shape[0]
-    loss_type = trainer.loss_type
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = (sums / n.clamp(min=1)).mean() / steps
     elif loss_type == "luspo":
         loss = sums.mean() / steps
@@ -183,7 +192,7 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
         loss = sums.sum() / n.sum() / steps
     elif loss_type == "dr_grpo":
         loss = sums.sum() / (rows * trainer.max_completion_length) / steps
-    else:  # dapo: one process, so the generation batch's tokens over its share of steps
+    else:  # dapo, cispo: one process, the generation batch's tokens over its share of steps
         normalizer = (
             inputs["num_items_in_batch"].double() * steps / trainer.args.steps_per_generation
         )
@@ -236,6 +245,8 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         (0.02, {}, {"loss_type": "bnpo"}),
         (0.0, {"tool_mask": True}, {"loss_type": "dr_grpo"}),
         (0.02, {"empty": True}, {"loss_type": "dapo", "entropy_coef": 0.02}),
+        (0.02, {}, {"loss_type": "sapo"}),
+        (0.0, {"tool_mask": True, "empty": True}, {"loss_type": "cispo", "epsilon_high": 1.3}),
     ],
     ids=[
         "grpo",
@@ -246,12 +257,18 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         "bnpo-kl",
         "dr_grpo-tool_mask",
         "dapo-kl-entropy_bonus-empty",
+        "sapo-kl",
+        "cispo-tool_mask-empty",
     ],
 )
 def test_routed_gspo_matches_trl(tmp_path, routed, beta, batch, config):
     metrics = _compare(tmp_path, routed, True, beta=beta, batch=batch, **config)
-    if not batch.get("on_policy"):  # the batch clips on both sides
+    if batch.get("on_policy"):
+        return
+    if "clip_ratio/low_mean" in metrics:  # the batch clips on both sides
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    if config.get("loss_type") == "cispo":  # and CISPO caps some ratios
+        assert metrics["cispo_clip_ratio"] > 0
 
 
 def test_routed_gspo_in_many_chunks(tmp_path, routed):
@@ -274,14 +291,13 @@ def test_routed_gspo_in_many_chunks(tmp_path, routed):
     "config",
     [
         dict(importance_sampling_level="token"),
-        dict(loss_type="sapo"),
-        dict(loss_type="cispo", epsilon_high=5.0),
+        dict(loss_type="vespo"),
         dict(top_entropy_quantile=0.5),
         dict(use_adaptive_entropy=True, entropy_coef=0.01),
         dict(off_policy_mask_threshold=0.5),
         dict(delta=1.1),  # below 1 + epsilon_high: gspo() refuses it
     ],
-    ids=["token", "sapo", "cispo", "entropy_mask", "adaptive_entropy", "opsm", "low_delta"],
+    ids=["token", "vespo", "entropy_mask", "adaptive_entropy", "opsm", "low_delta"],
 )
 def test_unrouted_grpo_stays_trls(tmp_path, routed, config):
     _compare(tmp_path, routed, False, **config)

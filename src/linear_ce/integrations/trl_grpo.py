@@ -13,15 +13,16 @@ pass, three GEMMs. TRL's forward (its batching, multimodal inputs, autocast, MoE
 loss) runs unchanged around the head, through ``_get_per_token_logps_and_entropies``.
 
 Routed: ``loss_type`` ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and ``luspo`` (the clipped
-surrogate; each with its own aggregation), with ``delta``, ``beta`` (and
-``use_bias_correction_kl``), a static ``entropy_coef``, a tool mask, completions without a
-token (as TRL: they count in the means with a zero loss), MoE's auxiliary loss. Kept on
-TRL's own ``_compute_loss`` (unchanged):
+surrogate), ``sapo`` (its soft gate of the sequence ratio) and ``cispo`` (its detached,
+capped sequence ratio times the log-probabilities), each with its own aggregation; with
+``delta``, ``beta`` (and ``use_bias_correction_kl``), a static ``entropy_coef``, a tool mask,
+completions without a token (as TRL: they count in the means with a zero loss), MoE's
+auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
 
 - ``importance_sampling_level="token"``: the ratio is per token, not a function of
   sequence sums (:func:`linear_ce.token_objective` territory);
-- ``loss_type`` ``sapo``, ``cispo`` and ``vespo``: not the clipped surrogate
-  :func:`~linear_ce.objectives.gspo` computes;
+- ``loss_type="vespo"``: TRL's gamma weights are formed from the token ratios' clamped
+  sum (not the sequence ratio) and TRL expects it at the token level (it warns otherwise);
 - ``top_entropy_quantile < 1``: the token mask is a quantile of every token's entropy over
   every process, known only after the whole batch's entropies, so no token's gradient is
   known inside the pass;
@@ -34,7 +35,8 @@ TRL's own ``_compute_loss`` (unchanged):
 
 Logged as TRL logs them: ``entropy``, ``kl``, ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``,
-``clip_ratio/high_max``, ``policy_loss`` and ``entropy_coef`` (with an entropy bonus),
+``clip_ratio/high_max`` (the clipped surrogate), ``cispo_clip_ratio``, ``policy_loss`` and
+``entropy_coef`` (with an entropy bonus),
 ``aux_loss``. The loss is formed in float64 on CPU (the sequence dtype), where TRL's is
 in the head's dtype.
 """
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,9 +59,11 @@ __all__ = ["GRPO_MODULE", "GRPO_ROUTED_LOSSES", "GRPOLoss", "check_grpo_loss"]
 GRPO_MODULE = "trl.trainer.grpo_trainer"
 
 #: TRL 1.16's GRPO loss types this route computes at the sequence level.
-GRPO_ROUTED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+GRPO_ROUTED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo")
+# The loss types of the clipped surrogate (objectives.gspo).
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # The loss types whose loss is a mean of per-sequence token means (the others sum tokens).
-_PER_SEQUENCE_MEAN = ("grpo",)
+_PER_SEQUENCE_MEAN = ("grpo", "sapo")
 # The inputs of TRL's forward helper that _compute_loss passes from the batch.
 _FORWARD_INPUTS = (
     "pixel_values",
@@ -99,6 +104,8 @@ _LOSS_READS = (
     "delta",
     "steps_per_generation",
     "num_processes",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
 )
 _LOSS_CONSTANTS = (
     "sequence",
@@ -124,15 +131,45 @@ def _routable(trainer: Any, inputs: dict) -> bool:
     )
 
 
-def _surrogate(trainer: Any) -> SequenceObjective | None:
-    try:
-        return gspo(
-            float(trainer.epsilon_low),
-            float(trainer.epsilon_high),
-            delta=None if trainer.args.delta is None else float(trainer.args.delta),
-        )
-    except ValueError:
-        return None  # a setting TRL accepts and gspo() refuses: TRL's own loss
+Surrogate = Callable[[SequenceBatch], torch.Tensor]
+
+
+def _surrogate(trainer: Any) -> Surrogate | None:
+    r"""The policy term of each sequence summed over its tokens (TRL's per-token loss
+    times the mask, summed), for the trainer's loss type, with the sequence ratio
+    :math:`s`: the clipped surrogate of :func:`~linear_ce.objectives.gspo` times
+    :math:`|y|`; SAPO's :math:`-	frac{4}{	au}\sigma(	au(s-1))\,A\,|y|` (:math:`	au` by
+    the advantage's sign); CISPO's :math:`-\mathrm{sg}(\min(s, arepsilon_{high}))\,A\,L`.
+    ``None`` where :func:`~linear_ce.objectives.gspo` refuses TRL's setting."""
+    loss_type = trainer.loss_type
+    if loss_type in _CLIPPED:
+        try:
+            clipped = gspo(
+                float(trainer.epsilon_low),
+                float(trainer.epsilon_high),
+                delta=None if trainer.args.delta is None else float(trainer.args.delta),
+            )
+        except ValueError:
+            return None  # a setting TRL accepts and gspo() refuses: TRL's own loss
+        return lambda batch: clipped(batch) * batch.length
+    if loss_type == "sapo":
+        positive = float(trainer.args.sapo_temperature_pos)
+        negative = float(trainer.args.sapo_temperature_neg)
+
+        def sapo(batch: SequenceBatch) -> torch.Tensor:
+            advantage = batch.side["advantage"]
+            tau = torch.where(advantage > 0, positive, negative).to(advantage.dtype)
+            gate = torch.sigmoid(tau * (_ratio(batch) - 1)) * 4 / tau
+            return -gate * advantage * batch.length
+
+        return sapo
+    high = float(trainer.epsilon_high)
+
+    def cispo(batch: SequenceBatch) -> torch.Tensor:
+        weight = _ratio(batch).clamp(max=high).detach()
+        return -weight * batch.side["advantage"] * batch.logprob
+
+    return cispo
 
 
 class GRPOLoss:
@@ -184,7 +221,7 @@ class _Sums:
 
 def _objective(
     trainer: Any,
-    surrogate: SequenceObjective,
+    surrogate: Surrogate,
     denominator: torch.Tensor,
     tokens: torch.Tensor,
     steps: float,
@@ -200,7 +237,7 @@ def _objective(
     bonus = float(trainer.entropy_coef) if trainer._entropy_bonus_enabled else 0.0
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
-        loss = surrogate(batch) * batch.length
+        loss = surrogate(batch)
         if beta != 0.0:
             log_ratio = batch.token_side["ref_logprob"] - batch.token_logprob
             kl = torch.exp(log_ratio) - log_ratio - 1
@@ -219,7 +256,7 @@ def _objective(
 
     return SequenceObjective(
         fn,
-        f"trl_grpo({trainer.loss_type}, {surrogate.name})",
+        f"trl_grpo({trainer.loss_type})",
         per="sequence",
         side=("advantage",),
         needs_entropy=True,
@@ -229,16 +266,16 @@ def _objective(
 def _denominator(trainer: Any, inputs: dict, rows: int, tokens: torch.Tensor, mode: str):
     """What TRL 1.16 divides the summed per-sequence losses by, per loss type, and the
     factor from the divided loss to the logged ``policy_loss`` (the accumulation steps,
-    which ``dapo``'s logged loss keeps)."""
+    which ``dapo``'s and ``cispo``'s logged loss keeps)."""
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
     loss_type = trainer.loss_type
-    if loss_type in ("grpo", "luspo"):
+    if loss_type in ("grpo", "sapo", "luspo"):
         return rows * accumulation, accumulation
     if loss_type == "bnpo":
         return tokens.clamp(min=1.0) * accumulation, accumulation
     if loss_type == "dr_grpo":
         return rows * trainer.max_completion_length * accumulation, accumulation
-    # dapo: the generation batch's tokens, rescaled to one accumulation window
+    # dapo, cispo: the generation batch's tokens, rescaled to one accumulation window
     normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
     if mode == "train":
         normalizer = normalizer * trainer.current_gradient_accumulation_steps
@@ -250,7 +287,7 @@ def _routed_loss(
     trainer: Any,
     model: Any,
     inputs: dict,
-    surrogate: SequenceObjective,
+    surrogate: Surrogate,
     options: LinearCrossEntropyOptions | None,
 ) -> torch.Tensor:
     mode = "train" if trainer.model.training else "eval"
@@ -325,12 +362,17 @@ def _log(trainer, mode, inputs, logprob_sum, present, lengths, tokens, sums) -> 
         old_sum = torch.where(kept, old.to(logprob_sum.dtype), 0.0).sum(1)[present]
         log_ratio[present] = (logprob_sum - old_sum) / lengths[present]
     ratio = torch.exp(log_ratio)
+    advantages = inputs["advantages"].to(ratio.dtype)
+    rows = torch.tensor(float(ratio.numel()), dtype=torch.float64, device=ratio.device)
+    if trainer.loss_type == "cispo":
+        clipped = ((ratio > trainer.epsilon_high) & (advantages > 0)).to(torch.float64)
+        metrics["cispo_clip_ratio"].append(mean(clipped.sum(), rows))
+    if trainer.loss_type not in _CLIPPED:
+        return
     if trainer.args.delta is not None:
         ratio = ratio.clamp(max=trainer.args.delta)  # TRL caps it before its clip statistics
-    advantages = inputs["advantages"].to(ratio.dtype)
     low = ((ratio < 1 - trainer.epsilon_low) & (advantages < 0)).to(torch.float64)
     high = ((ratio > 1 + trainer.epsilon_high) & (advantages > 0)).to(torch.float64)
-    rows = torch.tensor(float(low.numel()), dtype=torch.float64, device=low.device)
     metrics["clip_ratio/low_mean"].append(mean(low.sum(), rows))
     metrics["clip_ratio/high_mean"].append(mean(high.sum(), rows))
     metrics["clip_ratio/region_mean"].append(mean(torch.maximum(low, high).sum(), rows))
