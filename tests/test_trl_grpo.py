@@ -113,7 +113,7 @@ def _logprobs(model, inputs, grad: bool):
     return token, entropy
 
 
-def _batch(trainer, beta, *, on_policy=False, tool_mask=False, empty=False):
+def _batch(trainer, beta, *, on_policy=False, tool_mask=False, empty=False, sampling=False):
     """A batch TRL generated, with advantages of both signs and, unless ``on_policy``, old
     log-probabilities giving the ratios of ``OFFSETS``; reference log-probabilities nearby."""
     trainer.model.train()
@@ -134,6 +134,9 @@ def _batch(trainer, beta, *, on_policy=False, tool_mask=False, empty=False):
     inputs["old_per_token_logps"] = None if on_policy else (token + offsets).float()
     noise = 0.3 * torch.randn(token.shape, generator=generator, dtype=torch.float64)
     inputs["ref_per_token_logps"] = (token + noise).float()
+    if sampling:  # the sampler's log-probabilities, one token it could not score (vLLM: NaN)
+        inputs["sampling_per_token_logps"] = (token + 1.2 * offsets).float()
+        inputs["sampling_per_token_logps"][2, 0] = math.nan
     return inputs
 
 
@@ -175,6 +178,12 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
         capped = ratio if delta is None else ratio.clamp(max=delta)
         surrogate = -torch.min(capped * adv, ratio.clamp(1 - low, 1 + high) * adv)
         per_token = surrogate[:, None].expand_as(token)
+    threshold = trainer.off_policy_mask_threshold
+    if threshold is not None:  # drop negative-advantage sequences the sampler drifted from
+        sampling = inputs.get("sampling_per_token_logps", old)
+        gap = torch.nan_to_num(sampling.double() - token.detach(), nan=0.0)
+        kept = (adv >= 0) | ((gap * mask).sum(1) / n.clamp(min=1) <= threshold)
+        per_token = per_token * kept[:, None]
     if trainer.beta != 0:
         d = inputs["ref_per_token_logps"].double() - token
         kl = torch.exp(d) - d - 1
@@ -246,6 +255,12 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         (0.0, {"tool_mask": True}, {"loss_type": "dr_grpo"}),
         (0.02, {"empty": True}, {"loss_type": "dapo", "entropy_coef": 0.02}),
         (0.02, {}, {"loss_type": "sapo"}),
+        (0.0, {}, {"off_policy_mask_threshold": 0.3}),
+        (
+            0.02,
+            {"sampling": True, "empty": True},
+            {"loss_type": "bnpo", "off_policy_mask_threshold": 0.3},
+        ),
         (0.0, {"tool_mask": True, "empty": True}, {"loss_type": "cispo", "epsilon_high": 1.3}),
     ],
     ids=[
@@ -258,6 +273,8 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         "dr_grpo-tool_mask",
         "dapo-kl-entropy_bonus-empty",
         "sapo-kl",
+        "grpo-opsm",
+        "bnpo-kl-opsm_sampling-empty",
         "cispo-tool_mask-empty",
     ],
 )
@@ -294,10 +311,9 @@ def test_routed_gspo_in_many_chunks(tmp_path, routed):
         dict(loss_type="vespo"),
         dict(top_entropy_quantile=0.5),
         dict(use_adaptive_entropy=True, entropy_coef=0.01),
-        dict(off_policy_mask_threshold=0.5),
         dict(delta=1.1),  # below 1 + epsilon_high: gspo() refuses it
     ],
-    ids=["token", "vespo", "entropy_mask", "adaptive_entropy", "opsm", "low_delta"],
+    ids=["token", "vespo", "entropy_mask", "adaptive_entropy", "low_delta"],
 )
 def test_unrouted_grpo_stays_trls(tmp_path, routed, config):
     _compare(tmp_path, routed, False, **config)

@@ -15,7 +15,8 @@ loss) runs unchanged around the head, through ``_get_per_token_logps_and_entropi
 Routed: ``loss_type`` ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and ``luspo`` (the clipped
 surrogate), ``sapo`` (its soft gate of the sequence ratio) and ``cispo`` (its detached,
 capped sequence ratio times the log-probabilities), each with its own aggregation; with
-``delta``, ``beta`` (and ``use_bias_correction_kl``), a static ``entropy_coef``, a tool mask,
+``delta``, ``beta`` (and ``use_bias_correction_kl``), a static ``entropy_coef``, the
+off-policy sequence mask (``off_policy_mask_threshold``), a tool mask,
 completions without a token (as TRL: they count in the means with a zero loss), MoE's
 auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
 
@@ -28,8 +29,9 @@ auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
   known inside the pass;
 - ``use_adaptive_entropy``: the controller's window statistics and coefficient updates are
   TRL's trainer state;
-- ``off_policy_mask_threshold`` and vLLM's importance-sampling correction: they read
-  vLLM's sampling log-probabilities, which this adapter's tests cannot produce;
+- vLLM's importance-sampling correction (``use_vllm`` with
+  ``vllm_importance_sampling_correction``): its ratios come from a vLLM server, which this
+  adapter's tests cannot run;
 - advantages per token (a subclass's ``(B, T)``), a ``delta`` below ``1 + epsilon_high``
   (:func:`~linear_ce.objectives.gspo` refuses it), a batch with no completion token.
 
@@ -106,6 +108,7 @@ _LOSS_READS = (
     "num_processes",
     "sapo_temperature_pos",
     "sapo_temperature_neg",
+    "get_off_policy_mask",
 )
 _LOSS_CONSTANTS = (
     "sequence",
@@ -113,6 +116,7 @@ _LOSS_CONSTANTS = (
     "old_per_token_logps",
     "ref_per_token_logps",
     "num_items_in_batch",
+    "sampling_per_token_logps",
     "tool_mask",
     *GRPO_ROUTED_LOSSES,
 )
@@ -125,7 +129,6 @@ def _routable(trainer: Any, inputs: dict) -> bool:
         and trainer.loss_type in GRPO_ROUTED_LOSSES
         and trainer.top_entropy_quantile >= 1.0
         and not trainer.use_adaptive_entropy
-        and trainer.off_policy_mask_threshold is None
         and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
         and inputs["advantages"].dim() == 1
     )
@@ -206,6 +209,18 @@ def _ratio(batch: SequenceBatch) -> torch.Tensor:
     return torch.exp((batch.logprob - old) / batch.length)
 
 
+def _kept_on_policy(batch: SequenceBatch, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask as TRL forms it: a sequence is kept when its
+    advantage is not negative or the mean over its tokens of ``log p_sampling - sg(log p)``
+    (NaN, a token the sampler did not score, counted 0) is at most ``threshold``."""
+    current = batch.token_logprob.detach()
+    sampling = batch.token_side.get("sampling_logprob", batch.token_side.get("old_logprob"))
+    gap = torch.zeros_like(current) if sampling is None else sampling - current
+    mean_gap = batch.sum_tokens(torch.nan_to_num(gap, nan=0.0)) / batch.length
+    kept = (batch.side["advantage"] >= 0) | (mean_gap <= threshold)
+    return kept.to(current.dtype)
+
+
 class _Sums:
     """Detached sums the objective adds up over the pass's chunks (for the metrics)."""
 
@@ -234,10 +249,13 @@ def _objective(
     :math:`c \sum_t H_t / (n\,a)` (``n`` loss tokens, ``a`` accumulation steps)."""
     beta, bias_correction = float(trainer.beta), bool(trainer.args.use_bias_correction_kl)
     per_mean = trainer.loss_type in _PER_SEQUENCE_MEAN
+    threshold = trainer.off_policy_mask_threshold
     bonus = float(trainer.entropy_coef) if trainer._entropy_bonus_enabled else 0.0
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         loss = surrogate(batch)
+        if threshold is not None:
+            loss = loss * _kept_on_policy(batch, threshold)
         if beta != 0.0:
             log_ratio = batch.token_side["ref_logprob"] - batch.token_logprob
             kl = torch.exp(log_ratio) - log_ratio - 1
@@ -307,6 +325,9 @@ def _routed_loss(
     old = inputs.get("old_per_token_logps")
     if old is not None:
         side["old_logprob"] = old[scored].detach()
+    sampling = inputs.get("sampling_per_token_logps")
+    if trainer.off_policy_mask_threshold is not None and sampling is not None:
+        side["sampling_logprob"] = sampling[scored].detach()
     if trainer.beta != 0.0:
         side["ref_logprob"] = inputs["ref_per_token_logps"][scored].detach()
 
