@@ -261,6 +261,7 @@ _SEQUENCE: tuple[Mutation, ...] = (
 )
 
 _TOKEN_HEAD = "src/linear_ce/losses/token_logprob.py"
+_TOPK_TESTS = ("tests/test_token_topk.py", "-k", "matches_float64")
 
 _TOKEN_LOGPROBS: tuple[Mutation, ...] = (
     Mutation(
@@ -306,6 +307,43 @@ _TOKEN_LOGPROBS: tuple[Mutation, ...] = (
         _TOKEN_HEAD,
         (("else ties == 1", "else ties <= 2"),),
         ("tests/test_token_logprobs.py", "-k", "top1"),
+    ),
+    Mutation(
+        "token_logprobs",
+        "topk: the values are logits, log Z not subtracted",
+        _TOKEN_HEAD,
+        (
+            (
+                "        if self.topk:\n"
+                "            self.topk_logprobs[rows, p] -= stats.log_sum_exp[:, None]\n",
+                "",
+            ),
+        ),
+        _TOPK_TESTS,
+    ),
+    Mutation(
+        "token_logprobs",
+        "topk: ignored rows' log-probabilities are 0, not -inf",
+        _TOKEN_HEAD,
+        (
+            (
+                "torch.full(shape, -math.inf, dtype=acc_dtype, device=target.device)",
+                "torch.zeros(shape, dtype=acc_dtype, device=target.device)",
+            ),
+        ),
+        _TOPK_TESTS,
+    ),
+    Mutation(
+        "token_logprobs",
+        "topk: ignored rows' ids are 0, not -1",
+        _TOKEN_HEAD,
+        (
+            (
+                "torch.full(shape, -1, dtype=torch.int64, device=target.device)",
+                "torch.zeros(shape, dtype=torch.int64, device=target.device)",
+            ),
+        ),
+        _TOPK_TESTS,
     ),
 )
 
@@ -569,6 +607,10 @@ _DTENSOR_MUTATIONS: tuple[Mutation, ...] = (
     ),
 )
 
+_DISTRIBUTED_TOPK_TESTS = (
+    "tests/test_distributed_topk.py::test_topk_and_sparse_divergence_match[2]",
+)
+
 _VOCAB_PARALLEL: tuple[Mutation, ...] = (
     Mutation(
         "vocab_parallel",
@@ -627,6 +669,42 @@ _VOCAB_PARALLEL: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_distributed_divergence.py",),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "topk: a shard's candidate ids without the shard offset",
+        _TOKEN_HEAD,
+        (
+            (
+                "self.topk_ids[rows, p, :width] = ids + self.start",
+                "self.topk_ids[rows, p, :width] = ids",
+            ),
+        ),
+        _DISTRIBUTED_TOPK_TESTS,
+    ),
+    Mutation(
+        "vocab_parallel",
+        "topk merge: each rank keeps its own shard's candidates",
+        "src/linear_ce/parallel/shard.py",
+        (
+            (
+                "return all_values.gather(-1, order), all_ids.gather(-1, order)",
+                "return values, ids",
+            ),
+        ),
+        _DISTRIBUTED_TOPK_TESTS,
+    ),
+    Mutation(
+        "vocab_parallel",
+        "topk merge: the candidates of the smallest ids, not the largest values",
+        "src/linear_ce/parallel/shard.py",
+        (
+            (
+                "order = all_values.sort(dim=-1, descending=True, stable=True).indices[..., :k]",
+                "order = all_ids.argsort(dim=-1, stable=True)[..., :k]",
+            ),
+        ),
+        _DISTRIBUTED_TOPK_TESTS,
     ),
 )
 
