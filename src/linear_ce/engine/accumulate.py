@@ -82,10 +82,15 @@ class DirectSum:
         first = position not in self._started
         self._started.add(position)
         if acc.dtype == grad_logits.dtype:
-            if first:
-                torch.mm(grad_logits.T, x, out=acc)
-            else:
-                acc.addmm_(grad_logits.T, x)
+            # A K-dimensional loss's position is a strided slice of the sum: torch 2.6's
+            # GEMM into one forms the whole product aside first (56 MiB transient for a
+            # 16 MiB bf16 slice, measured), so it goes a vocabulary block at a time there.
+            whole = acc.is_contiguous()
+            for block in [slice(None)] if whole else vocab_blocks(acc.shape[0], acc.shape[1]):
+                if first:
+                    torch.mm(grad_logits[:, block].T, x, out=acc[block])
+                else:
+                    acc[block].addmm_(grad_logits[:, block].T, x)
             return
         # Another dtype: the product is formed a block of classes at a time, each in the
         # first block's (the largest) storage (see gemm.BlockUpcast on the heap).
