@@ -113,7 +113,9 @@ def _logprobs(model, inputs, grad: bool):
     return token, entropy
 
 
-def _batch(trainer, beta, *, on_policy=False, tool_mask=False, empty=False, sampling=False):
+def _batch(
+    trainer, beta, *, on_policy=False, tool_mask=False, empty=False, sampling=False, vllm=None
+):
     """A batch TRL generated, with advantages of both signs and, unless ``on_policy``, old
     log-probabilities giving the ratios of ``OFFSETS``; reference log-probabilities nearby."""
     trainer.model.train()
@@ -137,6 +139,11 @@ def _batch(trainer, beta, *, on_policy=False, tool_mask=False, empty=False, samp
     if sampling:  # the sampler's log-probabilities, one token it could not score (vLLM: NaN)
         inputs["sampling_per_token_logps"] = (token + 1.2 * offsets).float()
         inputs["sampling_per_token_logps"][2, 0] = math.nan
+    if vllm is not None:  # vLLM's importance-sampling ratios, by token or by sequence
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        shape = token.shape if vllm == "token" else (rows, 1)
+        ratios = 0.5 + torch.rand(shape, generator=generator, dtype=torch.float64)
+        inputs["importance_sampling_ratio"] = ratios.float()
     return inputs
 
 
@@ -184,6 +191,8 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
         gap = torch.nan_to_num(sampling.double() - token.detach(), nan=0.0)
         kept = (adv >= 0) | ((gap * mask).sum(1) / n.clamp(min=1) <= threshold)
         per_token = per_token * kept[:, None]
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        per_token = per_token * inputs["importance_sampling_ratio"].double()
     if trainer.beta != 0:
         d = inputs["ref_per_token_logps"].double() - token
         kl = torch.exp(d) - d - 1
@@ -256,6 +265,8 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         (0.02, {"empty": True}, {"loss_type": "dapo", "entropy_coef": 0.02}),
         (0.02, {}, {"loss_type": "sapo"}),
         (0.0, {}, {"off_policy_mask_threshold": 0.3}),
+        (0.02, {"vllm": "token", "tool_mask": True}, {}),
+        (0.0, {"vllm": "sequence"}, {"loss_type": "cispo", "epsilon_high": 1.3}),
         (
             0.02,
             {"sampling": True, "empty": True},
@@ -274,6 +285,8 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         "dapo-kl-entropy_bonus-empty",
         "sapo-kl",
         "grpo-opsm",
+        "grpo-kl-vllm_token_is-tool_mask",
+        "cispo-vllm_sequence_is",
         "bnpo-kl-opsm_sampling-empty",
         "cispo-tool_mask-empty",
     ],

@@ -16,7 +16,9 @@ Routed: ``loss_type`` ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and ``luspo`` (t
 surrogate), ``sapo`` (its soft gate of the sequence ratio) and ``cispo`` (its detached,
 capped sequence ratio times the log-probabilities), each with its own aggregation; with
 ``delta``, ``beta`` (and ``use_bias_correction_kl``), a static ``entropy_coef``, the
-off-policy sequence mask (``off_policy_mask_threshold``), a tool mask,
+off-policy sequence mask (``off_policy_mask_threshold``), vLLM's importance-sampling
+correction (the batch's ratios, per token or per sequence, weigh the policy term), a tool
+mask,
 completions without a token (as TRL: they count in the means with a zero loss), MoE's
 auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
 
@@ -29,9 +31,6 @@ auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
   known inside the pass;
 - ``use_adaptive_entropy``: the controller's window statistics and coefficient updates are
   TRL's trainer state;
-- vLLM's importance-sampling correction (``use_vllm`` with
-  ``vllm_importance_sampling_correction``): its ratios come from a vLLM server, which this
-  adapter's tests cannot run;
 - advantages per token (a subclass's ``(B, T)``), a ``delta`` below ``1 + epsilon_high``
   (:func:`~linear_ce.objectives.gspo` refuses it), a batch with no completion token.
 
@@ -117,6 +116,7 @@ _LOSS_CONSTANTS = (
     "ref_per_token_logps",
     "num_items_in_batch",
     "sampling_per_token_logps",
+    "importance_sampling_ratio",
     "tool_mask",
     *GRPO_ROUTED_LOSSES,
 )
@@ -129,7 +129,6 @@ def _routable(trainer: Any, inputs: dict) -> bool:
         and trainer.loss_type in GRPO_ROUTED_LOSSES
         and trainer.top_entropy_quantile >= 1.0
         and not trainer.use_adaptive_entropy
-        and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
         and inputs["advantages"].dim() == 1
     )
 
@@ -140,10 +139,12 @@ Surrogate = Callable[[SequenceBatch], torch.Tensor]
 def _surrogate(trainer: Any) -> Surrogate | None:
     r"""The policy term of each sequence summed over its tokens (TRL's per-token loss
     times the mask, summed), for the trainer's loss type, with the sequence ratio
-    :math:`s`: the clipped surrogate of :func:`~linear_ce.objectives.gspo` times
-    :math:`|y|`; SAPO's :math:`-	frac{4}{	au}\sigma(	au(s-1))\,A\,|y|` (:math:`	au` by
-    the advantage's sign); CISPO's :math:`-\mathrm{sg}(\min(s, arepsilon_{high}))\,A\,L`.
-    ``None`` where :func:`~linear_ce.objectives.gspo` refuses TRL's setting."""
+    :math:`s` and each token's weight :math:`w_t` (vLLM's importance-sampling ratio, else
+    1): the clipped surrogate :math:`\ell` of :func:`~linear_ce.objectives.gspo` times
+    :math:`\sum_t w_t`; SAPO's :math:`-\tfrac{4}{\tau}\sigma(\tau(s-1))\,A \sum_t w_t`
+    (:math:`\tau` by the advantage's sign); CISPO's
+    :math:`-\mathrm{sg}(\min(s, \varepsilon_{high}))\,A \sum_t w_t \log p_t`. ``None``
+    where :func:`~linear_ce.objectives.gspo` refuses TRL's setting."""
     loss_type = trainer.loss_type
     if loss_type in _CLIPPED:
         try:
@@ -154,7 +155,7 @@ def _surrogate(trainer: Any) -> Surrogate | None:
             )
         except ValueError:
             return None  # a setting TRL accepts and gspo() refuses: TRL's own loss
-        return lambda batch: clipped(batch) * batch.length
+        return lambda batch: clipped(batch) * _weight_sums(batch)
     if loss_type == "sapo":
         positive = float(trainer.args.sapo_temperature_pos)
         negative = float(trainer.args.sapo_temperature_neg)
@@ -163,16 +164,27 @@ def _surrogate(trainer: Any) -> Surrogate | None:
             advantage = batch.side["advantage"]
             tau = torch.where(advantage > 0, positive, negative).to(advantage.dtype)
             gate = torch.sigmoid(tau * (_ratio(batch) - 1)) * 4 / tau
-            return -gate * advantage * batch.length
+            return -gate * advantage * _weight_sums(batch)
 
         return sapo
     high = float(trainer.epsilon_high)
 
     def cispo(batch: SequenceBatch) -> torch.Tensor:
         weight = _ratio(batch).clamp(max=high).detach()
-        return -weight * batch.side["advantage"] * batch.logprob
+        token_logprob = batch.token_logprob
+        if "is_ratio" in batch.token_side:
+            token_logprob = token_logprob * batch.token_side["is_ratio"]
+        return -weight * batch.side["advantage"] * batch.sum_tokens(token_logprob)
 
     return cispo
+
+
+def _weight_sums(batch: SequenceBatch) -> torch.Tensor:
+    """Each sequence's summed token weights: vLLM's importance-sampling ratios, else its
+    number of tokens."""
+    if "is_ratio" in batch.token_side:
+        return batch.sum_tokens(batch.token_side["is_ratio"])
+    return batch.length
 
 
 class GRPOLoss:
@@ -325,6 +337,9 @@ def _routed_loss(
     old = inputs.get("old_per_token_logps")
     if old is not None:
         side["old_logprob"] = old[scored].detach()
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        ratio = inputs["importance_sampling_ratio"]  # (B, T) by token, (B, 1) by sequence
+        side["is_ratio"] = ratio.expand_as(completion_mask)[scored].detach()
     sampling = inputs.get("sampling_per_token_logps")
     if trainer.off_policy_mask_threshold is not None and sampling is not None:
         side["sampling_logprob"] = sampling[scored].detach()
