@@ -75,6 +75,9 @@ class DirectSum:
         self.sum = torch.empty(shape, dtype=dtype, device=device)
         self.gemm = gemm
         self._started: set[int] = set()
+        #: Whether each chunk's product is rounded to a half dtype: a scale of the result
+        #: then belongs in the products (the unscaled sum may overflow the half dtype).
+        self.rounds_per_chunk = dtype in HALF_DTYPES
 
     def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """``sum[:, position] += grad_logitsᵀ · x``."""
@@ -106,8 +109,9 @@ class DirectSum:
             else:
                 acc[block].add_(product)
 
-    def finish(self) -> torch.Tensor:
-        return self._summed()
+    def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum (times ``scale``, a 0-dim tensor)."""
+        return self._summed() if scale is None else self._summed().mul_(scale)
 
     def _summed(self) -> torch.Tensor:
         """The sum, with positions that never got a product (no valid row) zeroed."""
@@ -131,8 +135,9 @@ class WideSum(DirectSum):
         super().__init__(shape, dtype, gemm, device)
         self.result_dtype = result_dtype
 
-    def finish(self) -> torch.Tensor:
-        return self._summed().to(self.result_dtype)
+    def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The wide sum (times ``scale``, a 0-dim tensor) rounded to the result dtype."""
+        return super().finish(scale).to(self.result_dtype)
 
 
 class SplitSum:
@@ -174,8 +179,12 @@ class SplitSum:
         else:
             self._update(position, [(grad_logits, x)])
 
-    def finish(self) -> torch.Tensor:
-        """The sum rounded to the result dtype, in the result's storage; frees the plane."""
+    #: The fp32 sum is rounded to the result dtype once, in ``finish``.
+    rounds_per_chunk = False
+
+    def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum (times ``scale``, a 0-dim tensor, in fp32) rounded to the result dtype,
+        in the result's storage; frees the plane."""
         if self._held is not None:
             position, grad_logits, x = self._held
             self._held = None
@@ -183,7 +192,10 @@ class SplitSum:
         classes, features = self.result.shape[0], self.result.shape[-1]
         for position in range(self.result.shape[1]):
             for block in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
-                self.result[block, position].copy_(self._unpack(block, position, zero=False))
+                summed = self._unpack(block, position, zero=False)
+                if scale is not None:
+                    summed.mul_(scale)
+                self.result[block, position].copy_(summed)
         self._low = self._scratch = None
         return self.result
 

@@ -187,10 +187,18 @@ def run_chunks(
     vocab: Vocab | None = None,
     companion: Companion | None = None,
     chunks: list[list[RowChunk]] | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> Gradients:
     """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``
     (and a ``companion`` head over the same rows); returns the gradients of the head's
-    loss (its upstream gradients folded in).
+    loss (its upstream gradients folded in), times ``grad_scale`` (a 0-dim tensor).
+
+    ``grad_scale`` (a mean's ``1/count``) multiplies the fp32 sums before they are
+    rounded to the input dtype: folded into a half gradient tile, a small factor pushes
+    its entries into the half dtype's subnormals (fp16 ``reduction="mean"`` over 32768
+    rows: 10x the weight gradient's final rounding). Only a weight-gradient sum held in
+    the half dtype itself (``"direct"``) gets it in the tile, where the unscaled sum could
+    overflow.
 
     ``chunks``: each position's chunks of rows, given by the caller instead of
     ``row_chunks(head.valid, ...)`` (a head whose chunks must hold whole sequences,
@@ -230,6 +238,9 @@ def run_chunks(
 
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
+    scale_in_tile = grad_scale is not None and grad_w is not None and grad_w.rounds_per_chunk
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(acc)
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
@@ -272,6 +283,8 @@ def run_chunks(
         if not want_grads:
             return None
         g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
+        if scale_in_tile:
+            g.mul_(grad_scale)
         if sech2 is not None:
             g.mul_(sech2[:n])
         if grad_bias:
@@ -308,9 +321,14 @@ def run_chunks(
                 grad_w.add(p, g_op, x_op)
 
     out_dtype = plan.input_dtype
+    late_scale = None if scale_in_tile else grad_scale
+    if late_scale is not None:
+        for sums in (grad_x, grad_b):
+            if sums is not None:
+                sums.mul_(late_scale)
     return Gradients(
         input=None if grad_x is None else grad_x.to(out_dtype),
-        weight=None if grad_w is None else grad_w.finish(),
+        weight=None if grad_w is None else grad_w.finish(late_scale),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
 
@@ -325,10 +343,11 @@ def run_head(
     vocab: Vocab,
     needs: Needs,
     companion: Companion | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> Gradients:
     """:func:`run_chunks` on the plan of ``head`` (its tiles, ``vocab.plan_classes``
-    classes): the gradients ``needs`` asks for, the input's summed over the vocabulary's
-    shards."""
+    classes): the gradients ``needs`` asks for (times ``grad_scale``), the input's summed
+    over the vocabulary's shards."""
     rows, in_features = input.shape
     plan = make_plan(
         rows,
@@ -352,6 +371,7 @@ def run_head(
         grad_bias=needs.bias,
         vocab=vocab,
         companion=companion,
+        grad_scale=grad_scale,
     )
     if grads.input is not None:
         vocab.sum_(grads.input)
