@@ -227,14 +227,6 @@ def _sft_step(tmp_path, patched: bool, seed: int):
     return recorder.calls[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 29 item 14: integrations/trl.py casts fp32 parameters to the autocast dtype "
-    "before calling linear_ce, so the head's gradients come back rounded to bf16 (2.5e-3/2.3e-3 "
-    "from float64 against TRL's 1.9e-3/2.1e-3); running the head in the parameters' dtype "
-    "under autocast gives 1.1e-7/1.8e-7. The fix belongs to integrations/trl.py's owner.",
-)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trl_sft_default_config_head_gradients_no_worse_than_trls(tmp_path, seed):
     """TRL's SFT trainer with its default config (bf16 autocast) and fp32 parameters, one
@@ -283,14 +275,6 @@ def _model_head_step(model, ids, labels):
     return seen["h"], seen["grad_h"], model.lm_head.weight.grad.clone()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 29 item 14: integrations/transformers.py casts fp32 parameters to the "
-    "autocast dtype, so lm_head's gradient comes back bf16-rounded: 2.85e-3 from float64 "
-    "against the model's own head's 2.40e-3; in the parameters' dtype it is 1.7e-7. The fix "
-    "belongs to integrations/transformers.py's owner.",
-)
 def test_transformers_loss_under_autocast_no_worse_than_the_models_head():
     """A patched fp32 Llama under bf16 autocast: the head's hidden-state and weight gradients
     are at least as close to float64 (on the same hidden states) as the unpatched model's."""

@@ -28,8 +28,13 @@ number of non-ignored labels. Handled exactly like the model does:
 - the logit scale of Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and
   Falcon-H1 (``lm_head_multiplier``), as ``logit_scale`` of the loss;
 - ``lm_head.bias`` (Phi);
-- autocast: hidden states and ``lm_head`` weights are cast to the autocast
-  dtype, as ``lm_head`` itself would be.
+- autocast: the loss runs in the wider of the autocast dtype and
+  ``lm_head.weight``'s dtype. A bf16 model under bf16 autocast computes in bf16,
+  as ``lm_head`` itself would; fp32 parameters keep fp32 (where ``lm_head`` would
+  run a bf16 GEMM), so their gradients are fp32 sums within fp32 rounding of the
+  float64 gradient (2e-7, against the model's own head's 2.4e-3 and a bf16 loss's
+  2.85e-3 in a tiny Llama), at the price of fp32 GEMMs where the model's head ran
+  bf16 ones (``docs/integrations.md``).
 
 ``logits_to_keep`` only selects which logits are returned; with labels none
 are, and the loss always covers every position. ``return_dict=False`` gives
@@ -382,7 +387,9 @@ def _loss_through_head(
         weight, bias = head.weight, head.bias
         device = input.device.type
         if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
+            # Parameters wider than autocast's dtype keep theirs: their gradients are then
+            # sums in that dtype, not bf16-rounded ones (see the module doc).
+            dtype = torch.promote_types(torch.get_autocast_dtype(device), weight.dtype)
             input, weight = input.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         # The model's own loss upcasts the logits: report the loss at fp32, unrounded.

@@ -25,9 +25,10 @@ TRL's output           value per token                             gradient
 as :func:`linear_ce.token_logprobs` with ``top1_rule="argmax"``, an output not named in
 ``outputs`` being ``None``. Kept from TRL:
 
-- the compute dtype: the autocast dtype when autocast is on, else the hidden states'
-  dtype; the weight and bias are cast to it. With ``cast_lm_head_to_fp32=True`` TRL
-  hands over fp32 hidden states with autocast off, so the head runs in fp32;
+- the compute dtype without autocast: the hidden states' dtype; the weight and bias
+  are cast to it. With ``cast_lm_head_to_fp32=True`` TRL hands over fp32 hidden states
+  with autocast off, so the head runs in fp32. Under autocast the head runs in the wider
+  of the autocast dtype and the weight's dtype (TRL: the autocast dtype, see below);
 - temperature, logit scale and softcap, in TRL's order (scale, softcap, temperature);
 - ignored labels: their outputs are zero and they carry no gradient. TRL scores only
   the valid positions on Triton devices and every position elsewhere; patched, the
@@ -53,10 +54,18 @@ same pass); the other settings run TRL's own loss. That route does not log ``log
 ``mean_token_accuracy`` (see :mod:`linear_ce.integrations.trl_sequence`).
 
 Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
-its own chunks (``options``). Under autocast with fp32 parameters the weight and input
-gradients come back rounded to the autocast dtype, as a bf16 ``lm_head`` call's do
-(TRL's are fp32 sums). A softcap or logit scale that is not a finite float > 0 is an
-error (TRL would run with it).
+its own chunks (``options``). Under autocast with fp32 parameters (TRL's default config:
+bf16 autocast, also on CPU) the head runs in fp32, the parameters' dtype, where TRL's
+kernel rounds its operands and logits to bf16 and sums the gradient products in fp32: the
+weight and input gradients are fp32 sums within fp32 rounding of the float64 gradient
+(1e-7 against TRL's 2e-3 in a tiny Llama's SFT step). bf16 operands with fp32 sums would
+only tie with TRL's error, a bf16 result is 1.1-1.5x worse. The price is speed where a
+bf16 head would have run half GEMMs: none on CUDA with the default ``acc_policy`` (bf16
+inputs run fp32 GEMMs there too); fp32 GEMMs in place of bf16 ones on a CPU with native
+bf16 GEMMs, or on CUDA under ``acc_policy="balanced"``/``"compact"``. A weight in the
+autocast dtype (a bf16 model) keeps a bf16 head. ``docs/integrations.md`` ("Autocast with
+fp32 parameters") has the measurements. A softcap or logit scale that is not a finite
+float > 0 is an error (TRL would run with it).
 
 Fail loudly: :func:`patch` first checks that the installed TRL has the functions,
 signatures and call site this adapter was written against and raises
@@ -146,10 +155,14 @@ def _gather_context(weight: torch.Tensor, bias: torch.Tensor | None):
     return importlib.import_module(_UTILS).maybe_gather_lm_head_ctx(weight, bias)
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head runs in: the hidden states' without autocast (as TRL); under
+    autocast the wider of its dtype and the weight's, so fp32 parameters get fp32
+    gradient sums (TRL's are fp32 too; a bf16 head's come back bf16-rounded, see the
+    module doc)."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
+        return torch.promote_types(torch.get_autocast_dtype(device), weight.dtype)
     return hidden.dtype
 
 
@@ -176,7 +189,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         options: LinearCrossEntropyOptions | None,
     ) -> tuple[torch.Tensor | None, ...]:
         ctx.set_materialize_grads(False)
-        dtype = _compute_dtype(hidden)
+        dtype = _compute_dtype(hidden, weight)
         transform = {
             "temperature": float(temperature),
             "logit_scale": float(logit_scale),
@@ -251,7 +264,7 @@ class _FusedHead:
             weight,
             bias,
             targets,
-            _compute_dtype(hidden),
+            _compute_dtype(hidden, weight),
             {
                 "temperature": float(temperature),
                 "logit_scale": float(logit_scale),
