@@ -162,25 +162,60 @@ def test_heads_vmap_over_a_leading_dimension(head):
     assert rel_err(got_grad, ref_grad) <= 3 * eps(torch.float64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29: vmap of token_objective fails inside torch with a message that does "
-    "not name token_objective",
-)
-def test_token_objective_under_vmap_works_or_says_why():
-    """``token_objective`` under ``vmap``: the loop's result, or a clear error naming the
-    function (it takes any leading dimensions itself: call it on the whole batch)."""
+def _vmap_inputs():
     g = torch.Generator().manual_seed(13)
     X = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
     T = torch.randint(0, 7, (3, 5), generator=g)
+    T[:, ::4] = -100
     A = torch.randn(3, 5, generator=g, dtype=torch.float64)
-    W = torch.randn(7, 4, generator=g, dtype=torch.float64)
-    try:
-        got = torch.func.vmap(lambda x, t: _head_loss("token_objective", x, W, t, None, None))(X, T)
-    except Exception as error:  # any error must name the function
-        assert "token_objective" in str(error), str(error)
-        return
-    loop = torch.stack(
-        [_head_loss("token_objective", X[i], W, T[i], None, None, A[i]) for i in range(3)]
+    W = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    return X, T, A, W
+
+
+@pytest.mark.parametrize("batched", ["input", "target", "advantage"])
+def test_token_objective_under_vmap_says_to_call_it_on_the_whole_batch(batched):
+    """``token_objective`` runs a Python callable on chunks of the valid tokens, whose
+    number is data: under ``vmap`` it refuses with an error naming the function and the
+    batched argument, and saying what works instead (it takes any leading dimensions)."""
+    X, T, A, W = _vmap_inputs()
+    given = {"input": X, "target": T, "advantage": A}
+    fixed = {"input": X[0], "target": T[0], "advantage": A[0]}
+
+    def per_sample(value):
+        args = {**fixed, batched: value}
+        return _head_loss(
+            "token_objective", args["input"], W, args["target"], None, None, args["advantage"]
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=rf"^token_objective: {batched} is batched by torch.func.vmap, which "
+        r"token_objective does not support; call token_objective on the whole batch instead",
+    ):
+        torch.func.vmap(per_sample)(given[batched])
+    # What the error advises: the whole batch in one call, against the plain expression
+    # (float64; its own rounding over the vocabulary's sums, as in the compile test above).
+    whole = _head_loss("token_objective", X, W, T, None, None, A)
+    rows = X.shape[0] * X.shape[1]
+    plain = _plain_head_loss(
+        "token_objective", X.reshape(rows, -1), W, T.reshape(rows), None, None, A.reshape(rows)
     )
-    assert rel_err(got, loop) <= 3 * eps(torch.float64)
+    assert rel_err(whole, plain) <= 16 * eps(torch.float64)
+
+
+def test_sequence_objective_under_vmap_says_to_call_it_on_the_whole_batch():
+    X, T, _, W = _vmap_inputs()
+    T[:, 1] = 3  # every sequence scores a token
+
+    def per_batch(x):
+        out = linear_ce.sequence_objective(
+            x[None], W, T[:1], lambda batch: -batch.logprob_sum, reduction="sum"
+        )
+        return out.loss
+
+    with pytest.raises(
+        ValueError,
+        match=r"^sequence_objective: input is batched by torch.func.vmap, which "
+        r"sequence_objective does not support; call sequence_objective on the whole batch",
+    ):
+        torch.func.vmap(per_batch)(X)

@@ -21,6 +21,8 @@ from linear_ce import LinearCrossEntropyOptions
 from linear_ce.distributed import (
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_divergence,
+    vocab_parallel_sequence_objective,
+    vocab_parallel_sparse_divergence,
     vocab_parallel_token_logprobs,
     vocab_parallel_token_objective,
 )
@@ -133,10 +135,6 @@ FUNCTIONS = {
     ),
 }
 
-# token_logprobs_and_stats and token_logprobs_vjp run token_logprobs's checks under
-# token_logprobs's name (token_logprobs.py, issue 29 item 10 left to its owner).
-NAMED_AS_TOKEN_LOGPROBS = {"token_logprobs_and_stats", "token_logprobs_vjp"}
-
 
 def _x():
     return torch.randn(N, F_)
@@ -237,14 +235,7 @@ def _params():
         for case, (changes, _, _) in CASES.items():
             if not _accepts(fn, labels, changes):
                 continue
-            marks = []
-            if function in NAMED_AS_TOKEN_LOGPROBS:
-                marks.append(
-                    pytest.mark.xfail(
-                        strict=True, reason="reported as token_logprobs (token_logprobs.py)"
-                    )
-                )
-            yield pytest.param(function, case, marks=marks, id=f"{function}-{case}")
+            yield pytest.param(function, case, id=f"{function}-{case}")
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +315,173 @@ def test_divergence_names_teacher_and_student_arguments(
 def test_options_errors_name_the_options_class(kwargs, error, message):
     with pytest.raises(error, match=f"^LinearCrossEntropyOptions: {message}"):
         LinearCrossEntropyOptions(**kwargs)
+
+
+def _target():
+    return torch.randint(0, V, (N,))
+
+
+def _teacher_slots():
+    """Two slots of a stored teacher per position: ids 0 and 1, probabilities 1/2 and 1/4."""
+    return torch.tensor([[0, 1]] * N), torch.tensor([[0.5, 0.25]] * N).log()
+
+
+# name -> (the call, from (student) input, head and target; the head's name; needs a group)
+DISTILLATION = {
+    "linear_divergence": (
+        lambda x, w, t, **kw: linear_ce.linear_divergence(
+            x, w, torch.randn(N, FT), torch.randn(V, FT), t, **kw
+        ),
+        "student_weight",
+        False,
+    ),
+    "vocab_parallel_linear_divergence": (
+        lambda x, w, t, **kw: vocab_parallel_linear_divergence(
+            x, w, torch.randn(N, FT), torch.randn(V, FT), t, **kw
+        ),
+        "student_weight",
+        True,
+    ),
+    "sparse_divergence": (
+        lambda x, w, t, **kw: linear_ce.sparse_divergence(x, w, *_teacher_slots(), t, **kw),
+        "linear_weight",
+        False,
+    ),
+    "vocab_parallel_sparse_divergence": (
+        lambda x, w, t, **kw: vocab_parallel_sparse_divergence(x, w, *_teacher_slots(), t, **kw),
+        "linear_weight",
+        True,
+    ),
+}
+
+# A distillation target picks the positions that count (and with hard_weight > 0 holds
+# their labels): whatever hard_weight, a bad one is an error, never a silently counted row.
+TARGET_CASES = {
+    "out of range": (torch.full((N,), V), r"target contains class index 5, outside \[0, 5\)"),
+    # padding marked -1 under the default ignore_index=-100 would count every padded row
+    "negative, not ignored": (
+        torch.full((N,), -1),
+        r"target contains class index -1, outside \[0, 5\) and not ignore_index=-100",
+    ),
+    "shape": (
+        torch.zeros(N + 1, dtype=torch.long),
+        r"class-index target must have shape \(6,\)",
+    ),
+    "floating": (
+        torch.zeros(N),
+        r"target must be an integer tensor of token ids, got torch.float32",
+    ),
+    "device": (
+        torch.zeros(N, dtype=torch.long, device="meta"),
+        r"all tensors must be on one device, got .*target on meta",
+    ),
+}
+
+
+@pytest.mark.parametrize("hard_weight", [0.0, 0.5])
+@pytest.mark.parametrize("case", list(TARGET_CASES))
+@pytest.mark.parametrize("function", list(DISTILLATION))
+def test_distillation_target_is_checked_whatever_hard_weight(
+    function, case, hard_weight, group_for
+):
+    call, _, needs_group = DISTILLATION[function]
+    target, message = TARGET_CASES[case]
+    if needs_group:
+        group_for("vocab_parallel_linear_cross_entropy")
+    layout = LAYOUT if needs_group else {}
+    with pytest.raises(ValueError, match=f"^{function}: {message}"):
+        call(_x(), _w(), target, hard_weight=hard_weight, **layout)
+
+
+@pytest.mark.parametrize("function", list(DISTILLATION))
+def test_distillation_target_ignore_index_is_read(function, group_for):
+    """The positive side of the case above: -1 is accepted where it is the ignore_index,
+    and an ignored position carries no loss (the loss equals that of the other rows)."""
+    call, _, needs_group = DISTILLATION[function]
+    if needs_group:
+        group_for("vocab_parallel_linear_cross_entropy")
+    layout = LAYOUT if needs_group else {}
+    torch.manual_seed(0)
+    x, w, t = _x(), _w(), _target()
+    t[::2] = -1
+    rows = call(x, w, t, ignore_index=-1, reduction="none", **layout)
+    assert bool((rows[::2] == 0).all()) and bool((rows[1::2] > 0).all())
+
+
+# name -> (the call, from its head (only), with the layout keywords; the head's name)
+VOCAB_PARALLEL = {
+    "vocab_parallel_linear_cross_entropy": (
+        lambda w, **kw: vocab_parallel_linear_cross_entropy(_x(), w, _target(), **kw),
+        "linear_weight",
+    ),
+    "vocab_parallel_token_logprobs": (
+        lambda w, **kw: vocab_parallel_token_logprobs(_x(), w, _target(), **kw),
+        "linear_weight",
+    ),
+    "vocab_parallel_token_objective": (
+        lambda w, **kw: vocab_parallel_token_objective(_x(), w, _target(), _objective, **kw),
+        "linear_weight",
+    ),
+    "vocab_parallel_sequence_objective": (
+        lambda w, **kw: vocab_parallel_sequence_objective(
+            _x()[None], w, _target()[None], lambda batch: -batch.logprob_sum, **kw
+        ),
+        "linear_weight",
+    ),
+    **{
+        name: (lambda w, _call=call, **kw: _call(_x(), w, _target(), **kw), head)
+        for name, (call, head, _) in DISTILLATION.items()
+        if name.startswith("vocab_parallel_")
+    },
+}
+
+LAYOUT_CASES = {
+    "vocab_start alone": (
+        {"vocab_start": 0},
+        r"pass both vocab_start and num_classes, or neither .*got vocab_start=0, num_classes=None",
+    ),
+    "num_classes not an int": (
+        {"vocab_start": 0, "num_classes": 5.0},
+        r"num_classes must be an int, got 5.0",
+    ),
+    "vocab_start a bool": (
+        {"vocab_start": True, "num_classes": V},
+        r"vocab_start must be an int, got True",
+    ),
+    "shard outside the vocabulary": (
+        {"vocab_start": 2, "num_classes": V},
+        r"the local shard \[vocab_start, vocab_start \+ 5\) = \[2, 7\) does not lie in "
+        r"\[0, num_classes=5\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+@pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
+def test_vocab_parallel_layout_errors_name_the_function_called(function, case, group_for):
+    call, _ = VOCAB_PARALLEL[function]
+    layout, message = LAYOUT_CASES[case]
+    group_for("vocab_parallel_linear_cross_entropy")
+    with pytest.raises(ValueError, match=f"^{function}: {message}"):
+        call(_w(), **layout)
+
+
+@pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
+def test_vocab_parallel_shard_errors_name_the_function_and_its_head(function, group_for):
+    call, head = VOCAB_PARALLEL[function]
+    group_for("vocab_parallel_linear_cross_entropy")
+    with pytest.raises(ValueError, match=f"^{function}: {head} must be this rank's shard, .*got"):
+        call(torch.randn(V), **LAYOUT)
+
+
+@pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
+def test_vocab_parallel_without_a_process_group_names_the_function(function, monkeypatch):
+    call, _ = VOCAB_PARALLEL[function]
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    single = function.removeprefix("vocab_parallel_")
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^{function}: torch.distributed is not initialised; .*linear_ce.{single} for a "
+        "weight that is not sharded",
+    ):
+        call(_w(), **LAYOUT)

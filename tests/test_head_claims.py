@@ -312,11 +312,6 @@ def test_divergence_tensor_on_another_device_is_an_error(name):
         linear_ce.linear_divergence(xs, Ws, **call)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29 item 6: token_logprobs_vjp does not check its upstream gradients' device "
-    "(a meta grad_logprob gives garbage CPU gradients); the fix belongs in token_logprobs.py",
-)
 @pytest.mark.parametrize("name", ["grad_logprob", "grad_entropy"])
 def test_vjp_upstream_gradient_on_another_device_is_an_error(name):
     x, W, _, t = _token_inputs(9)

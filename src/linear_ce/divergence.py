@@ -4,10 +4,19 @@ between two LM heads, and its vocab-parallel front (documented under
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.divergence import DivergenceCall, check_divergence_call
+from linear_ce.checks.call import HeadArguments, TransformArguments
+from linear_ce.checks.divergence import (
+    DistillationArguments,
+    DivergenceCall,
+    TeacherArguments,
+    check_divergence_call,
+)
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.divergence import SCHEMA, DivergenceArguments, divergence, divergence_on_shard
 from linear_ce.ops.schema import PlanOptions
@@ -20,13 +29,29 @@ __all__ = ["linear_divergence", "vocab_parallel_linear_divergence"]
 _NAME = "linear_divergence"
 
 
-def _counted_positions(arguments: dict, num_classes: int) -> torch.Tensor:
+def _counted_positions(arguments: Mapping[str, Any], num_classes: int) -> torch.Tensor:
     """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
     split along rows)."""
-    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
-    keywords = {k: v for k, v in arguments.items() if k not in (*names, "options")}
+    a = arguments
+    head = HeadArguments(
+        a["student_input"],
+        a["student_weight"],
+        a["target"],
+        a["student_bias"],
+        a["ignore_index"],
+        a["shift"],
+    )
+    transform = TransformArguments(a["temperature"], a["student_logit_scale"], a["student_softcap"])
+    teacher = TeacherArguments(
+        a["teacher_input"],
+        a["teacher_weight"],
+        a["teacher_bias"],
+        a["teacher_logit_scale"],
+        a["teacher_softcap"],
+    )
+    distillation = DistillationArguments(a["beta"], a["hard_weight"], a["reduction"])
     checked = check_divergence_call(
-        _NAME, *(arguments.get(k) for k in names), **keywords, num_classes=num_classes
+        _NAME, head, transform, teacher, distillation, num_classes=num_classes
     )
     return (checked.call.target != checked.call.ignore_index).sum()
 
@@ -107,44 +132,24 @@ def vocab_parallel_linear_divergence(
         ...     hidden, student_shard, teacher_hidden, teacher_shard, labels, shift=True
         ... )
     """
-
     name = "vocab_parallel_linear_divergence"
-    shard = vocab_shard(
-        name,
-        dict(
-            student_input=student_input,
-            student_weight=student_weight,
-            teacher_input=teacher_input,
-            teacher_weight=teacher_weight,
-            student_bias=student_bias,
-            teacher_bias=teacher_bias,
-        ),
-        "student_weight",
-        process_group,
-        vocab_start,
-        num_classes,
+    head = HeadArguments(student_input, student_weight, target, student_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, student_logit_scale, student_softcap)
+    teacher = TeacherArguments(
+        teacher_input, teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap
     )
+    distillation = DistillationArguments(beta, hard_weight, reduction)
+    tensors = {
+        "student_input": student_input,
+        "student_weight": student_weight,
+        "teacher_input": teacher_input,
+        "teacher_weight": teacher_weight,
+        "student_bias": student_bias,
+        "teacher_bias": teacher_bias,
+    }
+    shard = vocab_shard(name, tensors, "student_weight", process_group, vocab_start, num_classes)
     checked = check_divergence_call(
-        name,
-        student_input,
-        student_weight,
-        teacher_input,
-        teacher_weight,
-        target,
-        student_bias=student_bias,
-        teacher_bias=teacher_bias,
-        beta=beta,
-        temperature=temperature,
-        student_logit_scale=student_logit_scale,
-        teacher_logit_scale=teacher_logit_scale,
-        student_softcap=student_softcap,
-        teacher_softcap=teacher_softcap,
-        ignore_index=ignore_index,
-        shift=shift,
-        reduction=reduction,
-        hard_weight=hard_weight,
-        return_entropy=return_entropy,
-        num_classes=shard.total,
+        name, head, transform, teacher, distillation, return_entropy, shard.total
     )
     loss, entropy = divergence_on_shard(_arguments(checked, options, name), shard)
     return _result(loss, entropy, checked)
@@ -207,7 +212,8 @@ def linear_divergence(
         teacher_weight: ``(V, F_t)`` the teacher's head (same vocabulary ``V``).
         target: ``(*)`` token ids, or ``None``. Positions equal to ``ignore_index`` carry
             no loss and cost no GEMM; with ``hard_weight > 0`` the ids are the hard
-            labels. ``None``: every position counts.
+            labels. Every other id must lie in ``[0, V)``, whatever ``hard_weight``.
+            ``None``: every position counts.
         student_bias, teacher_bias: ``(V,)`` or ``None``.
         beta: in ``[0, 1]``, which divergence (above).
         temperature: ``T > 0``, shared by both distributions.
@@ -242,28 +248,13 @@ def linear_divergence(
         ... )
         >>> loss.backward()
     """
-
-    checked = check_divergence_call(
-        _NAME,
-        student_input,
-        student_weight,
-        teacher_input,
-        teacher_weight,
-        target,
-        student_bias=student_bias,
-        teacher_bias=teacher_bias,
-        beta=beta,
-        temperature=temperature,
-        student_logit_scale=student_logit_scale,
-        teacher_logit_scale=teacher_logit_scale,
-        student_softcap=student_softcap,
-        teacher_softcap=teacher_softcap,
-        ignore_index=ignore_index,
-        shift=shift,
-        reduction=reduction,
-        hard_weight=hard_weight,
-        return_entropy=return_entropy,
+    head = HeadArguments(student_input, student_weight, target, student_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, student_logit_scale, student_softcap)
+    teacher = TeacherArguments(
+        teacher_input, teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap
     )
+    distillation = DistillationArguments(beta, hard_weight, reduction)
+    checked = check_divergence_call(_NAME, head, transform, teacher, distillation, return_entropy)
     arguments = _arguments(checked, options, _NAME)
     loss, entropy = divergence(*SCHEMA.flatten(arguments))[:2]
     return _result(loss, entropy, checked)

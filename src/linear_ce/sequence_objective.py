@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import check_token_call
-from linear_ce.checks.targets import check_class_indices
+from linear_ce.checks.call import HeadArguments, TransformArguments
+from linear_ce.checks.objective import check_objective_call
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.engine.sequence_layout import SequenceLayout, sequence_layout
-from linear_ce.engine.vocab import LocalVocab, Vocab
+from linear_ce.engine.vocab import Vocab
 from linear_ce.losses.sequence_objective import Metrics, SequenceBatch, sequence_dtype
 from linear_ce.ops.sequence_objective import SequenceSpec, sequence_objective_op
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
@@ -97,15 +97,11 @@ def _check_objective(
     name: str,
     objective: Callable[..., torch.Tensor],
     layout: SequenceLayout,
-    entropy: bool,
     side: dict[str, torch.Tensor],
     token_side: dict[str, torch.Tensor],
 ) -> None:
-    """What a :class:`~linear_ce.objectives.SequenceObjective` declares, checked before the pass."""
-    if not callable(objective):
-        raise ValueError(f"{name}: objective must be callable, got {type(objective).__name__}")
-    if getattr(objective, "needs_entropy", False) and not entropy:
-        raise ValueError(f"{name}: objective {objective!r} reads the entropy; pass entropy=True")
+    """What a :class:`~linear_ce.objectives.SequenceObjective` declares about its groups and
+    side inputs, checked before the pass."""
     wanted = getattr(objective, "group_size", None)
     if wanted is not None and layout.group_size != wanted:
         found = "different sizes" if layout.group_size is None else f"{layout.group_size}"
@@ -175,34 +171,14 @@ def vocab_parallel_sequence_objective(
         >>> out.loss.backward()
     """
     name = "vocab_parallel_sequence_objective"
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
-        name,
-        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
-        "linear_weight",
-        process_group,
-        vocab_start,
-        num_classes,
+        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
     )
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    packing = (sequence, cu_seqlens, group)
     return sequence_objective_loss(
-        name,
-        input,
-        linear_weight,
-        target,
-        objective,
-        sequence=sequence,
-        cu_seqlens=cu_seqlens,
-        group=group,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        entropy=entropy,
-        reduction=reduction,
-        options=options,
-        side=side_inputs,
-        vocab=shard,
+        name, head, transform, objective, packing, entropy, reduction, options, side_inputs, shard
     )
 
 
@@ -319,44 +295,20 @@ def sequence_objective(
         >>> out.loss.backward()
         >>> chosen, rejected = out.logprob_sum.chunk(2)
     """
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    packing = (sequence, cu_seqlens, group)
     return sequence_objective_loss(
-        _NAME,
-        input,
-        linear_weight,
-        target,
-        objective,
-        sequence=sequence,
-        cu_seqlens=cu_seqlens,
-        group=group,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        entropy=entropy,
-        reduction=reduction,
-        options=options,
-        side=side_inputs,
+        _NAME, head, transform, objective, packing, entropy, reduction, options, side_inputs
     )
 
 
 def sequence_objective_loss(
     name: str,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
+    head: HeadArguments,
+    transform: TransformArguments,
     objective: Callable[[SequenceBatch], torch.Tensor],
-    *,
-    sequence: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    group: torch.Tensor | str | None,
-    linear_bias: torch.Tensor | None,
-    ignore_index: int,
-    shift: bool | int,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
+    packing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | str | None],
     entropy: bool,
     reduction: str,
     options: LinearCrossEntropyOptions | None,
@@ -364,32 +316,21 @@ def sequence_objective_loss(
     vocab: Vocab | None = None,
 ) -> SequenceObjectiveOutput:
     """:func:`sequence_objective` (errors name ``name``) on ``vocab``, a vocab-parallel
-    shard; ``None`` means the whole vocabulary in ``linear_weight``."""
+    shard; ``None`` means the whole vocabulary in the head. ``packing`` is ``(sequence,
+    cu_seqlens, group)``."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    call = check_token_call(
-        name,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={"entropy": entropy},
-        num_classes=None if vocab is None else vocab.total,
-    )
-    vocab = LocalVocab(call.linear_weight.shape[0]) if vocab is None else vocab
-    check_class_indices(call.target, call.ignore_index, vocab.total, name)
+    sequence, cu_seqlens, group = packing
+    others = {**side, "sequence": sequence, "cu_seqlens": cu_seqlens, "group": group}
+    call, vocab = check_objective_call(name, head, transform, objective, entropy, others, vocab)
+    target = head.target
     device = call.input.device
     layout = sequence_layout(
         name,
         target,
         call.target.view(target.shape),
         call.ignore_index,
-        int(shift),  # checked by check_token_call
+        int(head.shift),  # checked by check_token_call
         sequence=sequence,
         cu_seqlens=cu_seqlens,
         group=group,
@@ -403,7 +344,7 @@ def sequence_objective_loss(
     per_sequence, per_token = _side_inputs(
         name, side, target, layout.totals.sequences, call.input, dtype
     )
-    _check_objective(name, objective, layout, entropy, per_sequence, per_token)
+    _check_objective(name, objective, layout, per_sequence, per_token)
     options = resolve_options(options, name)
     spec = SequenceSpec(
         name=name,

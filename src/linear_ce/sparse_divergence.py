@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import Call, Caller, check_token_call
-from linear_ce.checks.divergence import check_distillation
+from linear_ce.checks.call import (
+    Call,
+    Caller,
+    HeadArguments,
+    TransformArguments,
+    check_token_call,
+)
+from linear_ce.checks.divergence import DistillationArguments, check_distillation
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.schema import PlanOptions
 from linear_ce.ops.sparse_divergence import (
@@ -24,6 +31,7 @@ from linear_ce.parallel.shard import vocab_shard
 __all__ = [
     "MASS_TREATMENTS",
     "SparseDivergenceCall",
+    "StoredTeacher",
     "check_sparse_call",
     "sparse_divergence",
     "vocab_parallel_sparse_divergence",
@@ -51,25 +59,23 @@ class SparseDivergenceCall:
     reduction: str
 
 
+class StoredTeacher(NamedTuple):
+    """A stored teacher's top-k as a sparse distillation call received it (unchecked): the
+    slots' ids and log-probabilities, the temperature they were computed at, and how its
+    probability outside them is treated (one of :data:`MASS_TREATMENTS`)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    temperature: float
+    mass: str
+
+
 def check_sparse_call(
     name: str,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    target_logprobs: torch.Tensor,
-    target: torch.Tensor | None,
-    *,
-    linear_bias: torch.Tensor | None,
-    beta: float,
-    mass: str,
-    temperature: float,
-    target_temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    ignore_index: int,
-    shift: bool | int,
-    reduction: str,
-    hard_weight: float,
+    head: HeadArguments,
+    transform: TransformArguments,
+    teacher: StoredTeacher,
+    distillation: DistillationArguments,
     num_classes: int | None = None,
 ) -> SparseDivergenceCall:
     """Validate a sparse distillation call's arguments (errors name ``name``); the
@@ -78,9 +84,9 @@ def check_sparse_call(
 
     caller = Caller(name)
     fail = caller.fail
-    if not isinstance(input, torch.Tensor):
-        fail(f"input must be a Tensor, got {type(input).__name__}")
-    beta, hard_weight = check_distillation(caller, beta, hard_weight, reduction, target)
+    beta, hard_weight, head = check_distillation(caller, distillation, head)
+    target_ids, target_logprobs, target_temperature, mass = teacher
+    temperature, input = transform.temperature, head.input
     if mass not in MASS_TREATMENTS:
         fail(f"mass must be one of {MASS_TREATMENTS}, got {mass!r}")
     if (
@@ -134,22 +140,7 @@ def check_sparse_call(
             f"determined by its top-k; store the teacher's log-probabilities at the temperature "
             f"you distil at and pass it as both"
         )
-    if target is None:
-        target = torch.zeros(batch, dtype=torch.long, device=input.device)
-    call = check_token_call(
-        name,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={},
-        num_classes=num_classes,
-    )
+    call = check_token_call(name, head, transform, num_classes=num_classes)
     k = target_ids.shape[-1]
     rows = call.input.shape[0]
     return SparseDivergenceCall(
@@ -160,7 +151,7 @@ def check_sparse_call(
         rest,
         hard_weight,
         float(target_temperature),
-        reduction,
+        distillation.reduction,
     )
 
 
@@ -233,7 +224,8 @@ def sparse_divergence(
             for an empty slot; at most 1 in total per position (a rounding allowance aside).
         target: ``(*)`` token ids or ``None``, as in :func:`linear_ce.linear_divergence`:
             positions equal to ``ignore_index`` (after ``shift``) carry no loss and cost no
-            GEMM (their slots are not read); with ``hard_weight > 0`` the hard labels.
+            GEMM (their slots are not read); with ``hard_weight > 0`` the hard labels;
+            every other id in ``[0, V)``, whatever ``hard_weight``.
         linear_bias: ``(V,)`` or ``None``.
         beta: in ``[0, 1]``: 0 forward KL :math:`\mathrm{KL}(q\,\|\,p)`, 1 reverse KL,
             between: the generalised JSD.
@@ -268,25 +260,11 @@ def sparse_divergence(
         ... )
         >>> loss.backward()
     """
-    checked = check_sparse_call(
-        _NAME,
-        input,
-        linear_weight,
-        target_ids,
-        target_logprobs,
-        target,
-        linear_bias=linear_bias,
-        beta=beta,
-        mass=mass,
-        temperature=temperature,
-        target_temperature=target_temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        shift=shift,
-        reduction=reduction,
-        hard_weight=hard_weight,
-    )
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    teacher = StoredTeacher(target_ids, target_logprobs, target_temperature, mass)
+    distillation = DistillationArguments(beta, hard_weight, reduction)
+    checked = check_sparse_call(_NAME, head, transform, teacher, distillation)
     loss = sparse_divergence_op(*SCHEMA.flatten(_arguments(checked, options, _NAME)))[0]
     return _result(loss, checked)
 
@@ -363,42 +341,13 @@ def vocab_parallel_sparse_divergence(
         ...     hidden, shard, top_ids, top_logprobs, labels, shift=True
         ... )
     """
-
     name = "vocab_parallel_sparse_divergence"
-    shard = vocab_shard(
-        name,
-        dict(
-            input=input,
-            linear_weight=linear_weight,
-            target_ids=target_ids,
-            target_logprobs=target_logprobs,
-            target=target,
-            linear_bias=linear_bias,
-        ),
-        "linear_weight",
-        process_group,
-        vocab_start,
-        num_classes,
-    )
-    checked = check_sparse_call(
-        name,
-        input,
-        linear_weight,
-        target_ids,
-        target_logprobs,
-        target,
-        linear_bias=linear_bias,
-        beta=beta,
-        mass=mass,
-        temperature=temperature,
-        target_temperature=target_temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        shift=shift,
-        reduction=reduction,
-        hard_weight=hard_weight,
-        num_classes=shard.total,
-    )
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    teacher = StoredTeacher(target_ids, target_logprobs, target_temperature, mass)
+    distillation = DistillationArguments(beta, hard_weight, reduction)
+    tensors = {**head.tensors(), "target_ids": target_ids, "target_logprobs": target_logprobs}
+    shard = vocab_shard(name, tensors, "linear_weight", process_group, vocab_start, num_classes)
+    checked = check_sparse_call(name, head, transform, teacher, distillation, shard.total)
     loss = sparse_divergence_on_shard(_arguments(checked, options, name), shard)
     return _result(loss, checked)

@@ -8,7 +8,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import Call, check_token_call, check_top1_rule
+from linear_ce.checks.call import (
+    Call,
+    Caller,
+    HeadArguments,
+    TransformArguments,
+    check_flags,
+    check_token_call,
+    check_top1_rule,
+)
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.losses.token_logprob import TokenOutputs
 from linear_ce.ops.schema import PlanOptions
@@ -72,16 +80,54 @@ def _result(outputs: tuple[torch.Tensor, ...], call: Call, asked: TokenOutputs) 
     )
 
 
-def _check_topk(name: str, topk: int | None, classes: int) -> int:
-    """``topk`` as the op's count (0: none asked), or an error naming ``name``."""
+def _checked(
+    name: str,
+    head: HeadArguments,
+    transform: TransformArguments,
+    asked: TokenOutputs,
+    num_classes: int | None = None,
+) -> tuple[Call, TokenOutputs]:
+    """The call and the outputs ``asked`` of a token_logprobs function (as given: ``topk``
+    ``None`` or a count), checked (errors name ``name``), with ``topk`` as the op's count
+    (0: none asked). ``num_classes`` is the whole vocabulary of a shard (``None``: no shard)."""
+    caller = Caller(name)
+    flags = {
+        "entropy": asked.entropy,
+        "top1": asked.top1,
+        "log_sum_sq_prob": asked.log_sum_sq_prob,
+        "mean_logit": asked.mean_logit,
+    }
+    check_flags(caller, flags)
+    call = check_token_call(name, head, transform, num_classes=num_classes)
+    check_top1_rule(name, asked.top1_rule)
+    classes = call.linear_weight.shape[0] if num_classes is None else num_classes
+    topk = asked.topk
     if topk is None:
-        return 0
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= classes:
-        raise ValueError(
-            f"{name}: topk must be None or an int in [1, {classes}] (the number of classes), "
-            f"got {topk!r}"
+        topk = 0
+    elif isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= classes:
+        caller.fail(
+            f"topk must be None or an int in [1, {classes}] (the number of classes), got {topk!r}"
         )
-    return topk
+    return call, TokenOutputs(
+        asked.entropy, asked.top1, asked.top1_rule, asked.log_sum_sq_prob, asked.mean_logit, topk
+    )
+
+
+def _with_stats(
+    name: str,
+    head: HeadArguments,
+    transform: TransformArguments,
+    asked: TokenOutputs,
+    options: LinearCrossEntropyOptions | None,
+) -> tuple[TokenLogprobs, torch.Tensor]:
+    """:func:`token_logprobs_and_stats`, its errors naming ``name``."""
+    call, asked = _checked(name, head, transform, asked)
+    options = resolve_options(options, name)
+    needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
+    logprob, row_stats, *statistics = token_rows(
+        *SCHEMA.flatten(_arguments(call, asked, options, needs))
+    )[:8]
+    return _result((logprob, *statistics), call, asked), row_stats.detach()
 
 
 def vocab_parallel_token_logprobs(
@@ -125,38 +171,14 @@ def vocab_parallel_token_logprobs(
     """
 
     name = "vocab_parallel_token_logprobs"
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
-        name,
-        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
-        "linear_weight",
-        process_group,
-        vocab_start,
-        num_classes,
+        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
     )
     options = resolve_options(options, name)
-    call = check_token_call(
-        name,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={
-            "entropy": entropy,
-            "top1": top1,
-            "log_sum_sq_prob": log_sum_sq_prob,
-            "mean_logit": mean_logit,
-        },
-        num_classes=shard.total,
-    )
-    check_top1_rule(name, top1_rule)
-    asked = TokenOutputs(
-        entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, _check_topk(name, topk, shard.total)
-    )
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, topk)
+    call, asked = _checked(name, head, transform, asked, shard.total)
     arguments = _arguments(call, asked, options, Needs(False, False, False))
     return _result(token_logprobs_on_shard(arguments, shard), call, asked)
 
@@ -261,24 +283,10 @@ def token_logprobs(
         >>> loss.backward()
     """
 
-    return token_logprobs_and_stats(
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        entropy=entropy,
-        top1=top1,
-        top1_rule=top1_rule,
-        log_sum_sq_prob=log_sum_sq_prob,
-        mean_logit=mean_logit,
-        topk=topk,
-        options=options,
-    )[0]
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, topk)
+    return _with_stats(_NAME, head, transform, asked, options)[0]
 
 
 def token_logprobs_and_stats(
@@ -314,35 +322,10 @@ def token_logprobs_and_stats(
         >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None, row_stats=stats)
     """
 
-    call = check_token_call(
-        _NAME,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={
-            "entropy": entropy,
-            "top1": top1,
-            "log_sum_sq_prob": log_sum_sq_prob,
-            "mean_logit": mean_logit,
-        },
-    )
-    check_top1_rule(_NAME, top1_rule)
-    classes = call.linear_weight.shape[0]
-    asked = TokenOutputs(
-        entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, _check_topk(_NAME, topk, classes)
-    )
-    options = resolve_options(options, _NAME)
-    needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
-    logprob, row_stats, *statistics = token_rows(
-        *SCHEMA.flatten(_arguments(call, asked, options, needs))
-    )[:8]
-    return _result((logprob, *statistics), call, asked), row_stats.detach()
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, topk)
+    return _with_stats("token_logprobs_and_stats", head, transform, asked, options)
 
 
 def token_logprobs_vjp(
@@ -382,24 +365,16 @@ def token_logprobs_vjp(
         >>> gx, gW, _ = token_logprobs_vjp(x, W, t, torch.ones(6), None)
     """
 
-    call = check_token_call(
-        _NAME,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=False,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={},
-    )
+    name = "token_logprobs_vjp"
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index)
+    call = check_token_call(name, head, TransformArguments(temperature, logit_scale, softcap))
     need_x, need_w, need_b = needs
     needs = Needs(need_x, need_w, need_b and linear_bias is not None)
+    upstream = {"grad_logprob": grad_logprob, "grad_entropy": grad_entropy}
+    _check_upstream(name, upstream, target, call.input)
     if (grad_logprob is None and grad_entropy is None) or not any(needs):
         return None, None, None
-    options = resolve_options(options, _NAME)
+    options = resolve_options(options, name)
     if row_stats is not None:
         _check_row_stats(row_stats, call.target.shape, call.input)
 
@@ -414,6 +389,26 @@ def token_logprobs_vjp(
         grad.view(like.shape) if need else None
         for grad, like, need in zip(grads, (input, linear_weight, linear_bias), needs, strict=True)
     )
+
+
+def _check_upstream(
+    name: str, upstream: dict[str, torch.Tensor | None], target: torch.Tensor, input: torch.Tensor
+) -> None:
+    """The upstream gradients given (not ``None``) are floating tensors of the target's
+    shape on the input's device."""
+    for arg, grad in upstream.items():
+        if grad is None:
+            continue
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+            got = grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ValueError(f"{name}: {arg} must be a floating tensor or None, got {got}")
+        if grad.shape != target.shape:
+            raise ValueError(
+                f"{name}: {arg} must have the target's shape {tuple(target.shape)}, got "
+                f"{tuple(grad.shape)}"
+            )
+        if grad.device != input.device:
+            raise ValueError(f"{name}: {arg} is on {grad.device}, the input on {input.device}")
 
 
 def _check_row_stats(row_stats: torch.Tensor, rows_shape: torch.Size, input: torch.Tensor) -> None:

@@ -9,9 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import check_token_call
-from linear_ce.checks.targets import check_class_indices
-from linear_ce.engine.vocab import LocalVocab
+from linear_ce.checks.call import HeadArguments, TransformArguments
+from linear_ce.checks.objective import check_objective_call
 from linear_ce.ops.token_objective import objective_loss
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.parallel.dtensor import accepts_dtensors
@@ -58,44 +57,17 @@ def _checked_side_inputs(
 def _objective(
     name: str,
     shard: VocabShard | None,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
+    head: HeadArguments,
+    transform: TransformArguments,
     objective: Callable[..., torch.Tensor],
-    *,
-    linear_bias: torch.Tensor | None,
-    ignore_index: int,
-    shift: bool | int,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
     entropy: bool,
     options: LinearCrossEntropyOptions | None,
     side: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """:func:`token_objective` (errors name ``name``) on this rank's ``shard`` of the
     vocabulary, or on the whole of it (``None``)."""
-    if not callable(objective):
-        raise ValueError(f"{name}: objective must be callable, got {type(objective).__name__}")
-    if getattr(objective, "needs_entropy", False) and entropy is False:
-        raise ValueError(f"{name}: objective {objective!r} reads the entropy; pass entropy=True")
-    call = check_token_call(
-        name,
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        flags={"entropy": entropy},
-        num_classes=None if shard is None else shard.total,
-    )
-    vocab = LocalVocab(call.linear_weight.shape[0]) if shard is None else shard
-    check_class_indices(call.target, call.ignore_index, vocab.total, name)
-    checked_side = _checked_side_inputs(side, target, input, name)
+    call, vocab = check_objective_call(name, head, transform, objective, entropy, side, shard)
+    checked_side = _checked_side_inputs(side, head.target, head.input, name)
     options = resolve_options(options, name)
     return objective_loss(name, call, objective, entropy, checked_side, options, vocab)
 
@@ -138,31 +110,12 @@ def vocab_parallel_token_objective(
     """
 
     name = "vocab_parallel_token_objective"
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
-        name,
-        dict(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias),
-        "linear_weight",
-        process_group,
-        vocab_start,
-        num_classes,
+        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
     )
-    return _objective(
-        name,
-        shard,
-        input,
-        linear_weight,
-        target,
-        objective,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        entropy=entropy,
-        options=options,
-        side=token_tensors,
-    )
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    return _objective(name, shard, head, transform, objective, entropy, options, token_tensors)
 
 
 @torch.compiler.disable
@@ -229,20 +182,6 @@ def token_objective(
         >>> loss.backward()
     """
 
-    return _objective(
-        _NAME,
-        None,
-        input,
-        linear_weight,
-        target,
-        objective,
-        linear_bias=linear_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        entropy=entropy,
-        options=options,
-        side=token_tensors,
-    )
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    return _objective(_NAME, None, head, transform, objective, entropy, options, token_tensors)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -24,15 +24,19 @@ from linear_ce.engine.transform import LogitTransform
 __all__ = [
     "Call",
     "Caller",
+    "HeadArguments",
     "Shapes",
+    "TransformArguments",
     "check_call",
     "check_class_weight",
     "check_devices",
+    "check_flags",
     "check_ignore_index",
     "check_k_dim",
     "check_label_smoothing",
     "check_linear_bias",
     "check_matching_dtypes",
+    "check_not_vmapped",
     "check_reduction",
     "check_scale",
     "check_shapes",
@@ -550,19 +554,43 @@ def check_call(
     )
 
 
+class HeadArguments(NamedTuple):
+    """A per-token call's head and rows as its public function received them (unchecked),
+    in the order of the public signatures; :func:`check_token_call` checks them. A function
+    without ``shift`` (:func:`linear_ce.token_logprobs_vjp`) leaves it ``False``."""
+
+    input: torch.Tensor
+    linear_weight: torch.Tensor
+    target: torch.Tensor
+    linear_bias: torch.Tensor | None
+    ignore_index: int
+    shift: bool | int = False
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The tensors, by their names (for :func:`linear_ce.parallel.shard.vocab_shard`)."""
+        return {
+            "input": self.input,
+            "linear_weight": self.linear_weight,
+            "target": self.target,
+            "linear_bias": self.linear_bias,
+        }
+
+
+class TransformArguments(NamedTuple):
+    """A call's logits transform as its public function received it (unchecked); checked,
+    it is the call's :class:`~linear_ce.engine.transform.LogitTransform`."""
+
+    temperature: float
+    logit_scale: float
+    softcap: float | None
+
+
 def check_token_call(
     name: str,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
+    head: HeadArguments,
+    transform: TransformArguments,
     *,
-    linear_bias: torch.Tensor | None,
-    ignore_index: int,
-    shift: bool | int,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    flags: dict[str, object],
+    flags: Mapping[str, object] | None = None,
     num_classes: int | None = None,
     renamed: Mapping[str, str] | None = None,
 ) -> Call:
@@ -571,6 +599,7 @@ def check_token_call(
     them): integer token ids, a 2-D head, an int ``ignore_index``, bool ``flags``, then
     :func:`check_call` with ``reduction="none"`` and the logits transform."""
     caller = _caller(name, renamed)
+    linear_weight, target, ignore_index = head.linear_weight, head.target, head.ignore_index
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
         caller.fail(f"target must be an integer tensor of token ids, got {got}")
@@ -580,27 +609,48 @@ def check_token_call(
         caller.fail(f"{caller.arg('linear_weight')} must have shape (V, in_features), got {got}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         caller.fail(f"ignore_index must be an int, got {ignore_index!r}")
-    for flag, value in flags.items():
-        if not isinstance(value, bool):
-            caller.fail(f"{flag} must be a bool, got {value!r}")
+    check_flags(caller, flags or {})
     call = check_call(
-        input,
+        head.input,
         linear_weight,
         target,
-        linear_bias=linear_bias,
+        linear_bias=head.linear_bias,
         weight=None,
         reduction="none",
         ignore_index=ignore_index,
         label_smoothing=0.0,
-        softcap=softcap,
-        shift=shift,
+        softcap=transform.softcap,
+        shift=head.shift,
         num_classes=num_classes,
         name=name,
         renamed=renamed,
     )
-    check_scale(caller, "logit_scale", logit_scale)
-    check_scale(caller, "temperature", temperature)
-    return with_scales(call, logit_scale, temperature)
+    check_scale(caller, "logit_scale", transform.logit_scale)
+    check_scale(caller, "temperature", transform.temperature)
+    return with_scales(call, transform.logit_scale, transform.temperature)
+
+
+def check_flags(caller: Caller, flags: Mapping[str, object]) -> None:
+    """Every one of ``flags`` (an argument's name and value) is a bool."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            caller.fail(f"{flag} must be a bool, got {value!r}")
+
+
+def check_not_vmapped(caller: Caller, tensors: Mapping[str, object], advice: str) -> None:
+    """None of ``tensors`` is batched by ``torch.func.vmap`` (under any other functorch
+    transform's wrapper): a function that runs a Python callable over chunks of the
+    valid tokens cannot run per sample, where the chunks' counts would be data; ``advice``
+    says what to do instead."""
+    functorch = torch._C._functorch
+    for arg, value in tensors.items():
+        while isinstance(value, torch.Tensor) and functorch.is_functorch_wrapped_tensor(value):
+            if functorch.is_batchedtensor(value):
+                caller.fail(
+                    f"{caller.arg(arg)} is batched by torch.func.vmap, which "
+                    f"{caller.function} does not support; {advice}"
+                )
+            value = functorch.get_unwrapped(value)
 
 
 def check_top1_rule(name: str, top1_rule: str) -> None:

@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
-from linear_ce.checks.call import Call, Caller, check_scale, check_softcap, check_token_call
+from linear_ce.checks.call import (
+    Call,
+    Caller,
+    HeadArguments,
+    TransformArguments,
+    check_scale,
+    check_softcap,
+    check_token_call,
+)
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 
-__all__ = ["DivergenceCall", "check_distillation", "check_divergence_call", "check_teacher"]
+__all__ = [
+    "DistillationArguments",
+    "DivergenceCall",
+    "TeacherArguments",
+    "check_distillation",
+    "check_divergence_call",
+    "check_teacher",
+]
 
 # The student's head goes through the checks of a per-token call, whose arguments are
 # named for a single head; errors call them by the names linear_divergence gives them.
@@ -25,16 +41,36 @@ _STUDENT_NAMES = {
 }
 
 
+class DistillationArguments(NamedTuple):
+    """The scalars every distillation call shares, as its public function received them
+    (unchecked)."""
+
+    beta: float
+    hard_weight: float
+    reduction: str
+
+
+class TeacherArguments(NamedTuple):
+    """The teacher's head of a :func:`linear_ce.linear_divergence` call as received
+    (unchecked)."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    logit_scale: float
+    softcap: float | None
+
+
 def check_distillation(
-    caller: Caller,
-    beta: float,
-    hard_weight: float,
-    reduction: str,
-    target: torch.Tensor | None,
-) -> tuple[float, float]:
+    caller: Caller, distillation: DistillationArguments, head: HeadArguments
+) -> tuple[float, float, HeadArguments]:
     """The scalars every distillation call shares: ``beta`` in ``[0, 1]``, a finite
     ``hard_weight >= 0`` (``> 0`` needs a ``target``), a reduction; ``(beta, hard_weight)``
-    as floats."""
+    as floats, and the student's ``head`` with its target: where none is given, class 0
+    at every position (every position counts). The student's input is a tensor (its
+    batch shape is the target's)."""
+    beta, hard_weight, reduction = distillation
+    target = head.target
 
     def real(label: str, value: object, low: float, high: float) -> float:
         if (
@@ -53,19 +89,20 @@ def check_distillation(
         caller.fail(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
     if hard_weight > 0.0 and target is None:
         caller.fail("hard_weight > 0 needs target (the hard labels)")
-    return beta, hard_weight
+    input = head.input
+    if not isinstance(input, torch.Tensor):
+        caller.fail(f"{caller.arg('input')} must be a Tensor, got {type(input).__name__}")
+    if target is None:
+        target = torch.zeros(input.shape[:-1], dtype=torch.long, device=input.device)
+    return beta, hard_weight, head._replace(target=target)
 
 
 def check_teacher(
-    call: Call,
-    teacher_input: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    teacher_bias: torch.Tensor | None,
-    batch: tuple[int, ...],
-    name: str,
+    call: Call, teacher: TeacherArguments, batch: tuple[int, ...], name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The teacher's tensors, checked against the student's ``call`` and reshaped to rows:
     ``(N, F_t)``, ``(V, 1, F_t)``, ``(V, 1)``; detached (the teacher gets no gradient)."""
+    teacher_input, teacher_weight, teacher_bias = teacher[:3]
 
     def fail(message: str):
         raise ValueError(f"{name}: {message}")
@@ -145,62 +182,38 @@ class DivergenceCall:
 
 def check_divergence_call(
     name: str,
-    student_input: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_input: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    target: torch.Tensor | None,
-    *,
-    student_bias: torch.Tensor | None,
-    teacher_bias: torch.Tensor | None,
-    beta: float,
-    temperature: float,
-    student_logit_scale: float,
-    teacher_logit_scale: float,
-    student_softcap: float | None,
-    teacher_softcap: float | None,
-    ignore_index: int,
-    shift: bool | int,
-    reduction: str,
-    hard_weight: float,
+    head: HeadArguments,
+    transform: TransformArguments,
+    teacher: TeacherArguments,
+    distillation: DistillationArguments,
     return_entropy: bool = False,
     num_classes: int | None = None,
 ) -> DivergenceCall:
-    """Validate a distillation call (errors name ``name``); ``num_classes`` is the whole
-    vocabulary when the heads are vocab-parallel shards."""
+    """Validate a distillation call (errors name ``name``): the student's ``head`` and
+    ``transform`` under the names ``linear_divergence`` gives them (``student_input``,
+    ...), its ``teacher``; ``num_classes`` is the whole vocabulary when the heads are
+    vocab-parallel shards."""
 
-    caller = Caller(name)
-    if not isinstance(student_input, torch.Tensor):
-        caller.fail(f"student_input must be a Tensor, got {type(student_input).__name__}")
-    beta, hard_weight = check_distillation(caller, beta, hard_weight, reduction, target)
+    caller = Caller(name, tuple(_STUDENT_NAMES.items()))
+    beta, hard_weight, head = check_distillation(caller, distillation, head)
     if not isinstance(return_entropy, bool):
         caller.fail(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_softcap(caller, teacher_softcap, "teacher_softcap")
-    check_scale(caller, "teacher_logit_scale", teacher_logit_scale)
-    batch = tuple(student_input.shape[:-1])
-    if target is None:
-        target = torch.zeros(batch, dtype=torch.long, device=student_input.device)
-    call = check_token_call(
-        name,
-        student_input,
-        student_weight,
-        target,
-        linear_bias=student_bias,
-        ignore_index=ignore_index,
-        shift=shift,
-        temperature=temperature,
-        logit_scale=student_logit_scale,
-        softcap=student_softcap,
-        flags={},
-        num_classes=num_classes,
-        renamed=_STUDENT_NAMES,
-    )
-    teacher = check_teacher(call, teacher_input, teacher_weight, teacher_bias, batch, name)
+    check_softcap(caller, teacher.softcap, "teacher_softcap")
+    check_scale(caller, "teacher_logit_scale", teacher.logit_scale)
+    call = check_token_call(name, head, transform, num_classes=num_classes, renamed=_STUDENT_NAMES)
+    batch = tuple(head.input.shape[:-1])
+    checked_teacher = check_teacher(call, teacher, batch, name)
     teacher_transform = LogitTransform(
-        float(teacher_logit_scale),
-        None if teacher_softcap is None else float(teacher_softcap),
-        float(temperature),
+        float(teacher.logit_scale),
+        None if teacher.softcap is None else float(teacher.softcap),
+        float(transform.temperature),
     )
     return DivergenceCall(
-        call, teacher, teacher_transform, beta, hard_weight, reduction, return_entropy
+        call,
+        checked_teacher,
+        teacher_transform,
+        beta,
+        hard_weight,
+        distillation.reduction,
+        return_entropy,
     )
