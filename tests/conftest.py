@@ -1,7 +1,15 @@
 """Small helpers shared by the tests (importable as ``from conftest import rel_err, eps``)."""
 
+import datetime
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -25,6 +33,60 @@ def eps(dtype: torch.dtype) -> float:
 def seeded() -> None:
     """Seed torch's global generator so a test's random inputs are reproducible."""
     torch.manual_seed(0)
+
+
+#: torch before 2.8 destroys a gloo process group holding the GIL while it joins gloo's
+#: worker threads, and a worker that still holds the last reference to a tensor with a
+#: Python object waits for the GIL to drop it: ``destroy_process_group()`` (or the
+#: interpreter's exit, which destroys the group too) can hang for good (pytorch PR 154976,
+#: in 2.8, releases the GIL there). Seen on torch 2.6: a rank of tests/test_distributed.py
+#: hung in it at world 2 and 4, also alone on a quiet machine.
+GLOO_TEARDOWN_HANGS = torch.__version__ < "2.8"
+
+
+def run_gloo_rank(rank: int, world: int, folder: str, check: Callable[[], object]) -> None:
+    """One rank of a spawned multi-process test: joins the gloo group of ``world`` ranks
+    (its file store in ``folder``), writes what ``check()`` returns (JSON: the failures
+    found) to ``folder/rank<rank>.json`` and leaves the group.
+
+    Where the group's teardown can hang (:data:`GLOO_TEARDOWN_HANGS`) it is never torn
+    down: once every rank has written its findings (so none has a collective in flight),
+    the process ends at once (``os._exit``), the group with it; a rank whose ``check``
+    raised prints the traceback and ends with exit code 1, which ``mp.spawn`` reports."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{folder}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    if not GLOO_TEARDOWN_HANGS:
+        try:
+            found = check()
+        finally:
+            dist.destroy_process_group()
+        _write_findings(folder, rank, found)
+        return
+    status = 0
+    try:
+        found = check()
+        _write_findings(folder, rank, found)
+        done = dist.FileStore(f"{folder}/done", world)
+        done.set(f"rank{rank}", "done")
+        done.wait([f"rank{r}" for r in range(world)], datetime.timedelta(seconds=60))
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _write_findings(folder: str, rank: int, found: object) -> None:
+    with open(f"{folder}/rank{rank}.json", "w") as out:
+        json.dump(found, out)
 
 
 #: The profile every hypothesis test runs under in CI (and by default).

@@ -11,9 +11,7 @@ written to a file per rank that the tests read; an exception in a rank makes
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import linear_ce
-from conftest import eps, rel_err
+from conftest import eps, rel_err, run_gloo_rank
 from linear_ce.distributed import vocab_parallel_linear_cross_entropy
 
 IGNORE = -100
@@ -405,24 +403,14 @@ def _count_collectives(rank: int, world: int) -> list[str]:
 
 def _worker(rank: int, world: int, folder: str) -> None:
     """Run every case and the collective count on one rank; write the failures found."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        found = {
+
+    def check():
+        return {
             "cases": [f for i, case in enumerate(CASES) for f in _run_case(case, i, rank, world)],
             "count": _count_collectives(rank, world),
         }
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
+
+    run_gloo_rank(rank, world, folder, check)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")

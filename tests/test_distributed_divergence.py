@@ -8,16 +8,14 @@ heads (itself checked against float64 in ``test_divergence``).
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import linear_ce
+from conftest import run_gloo_rank
 from linear_ce.distributed import vocab_parallel_linear_divergence
 
 TOL = 1e-5
@@ -98,21 +96,7 @@ def _check(rank: int, world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        found = _check(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
+    run_gloo_rank(rank, world, folder, lambda: _check(rank, world))
 
 
 @pytest.mark.slow

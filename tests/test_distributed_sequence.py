@@ -14,9 +14,7 @@ ranks' collectives stay in step, written to a file per rank, and read here.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import linear_ce
 import linear_ce.objectives as obj
 import sequence_formula as formula
-from conftest import eps, rel_err
+from conftest import eps, rel_err, run_gloo_rank
 from linear_ce.distributed import vocab_parallel_sequence_objective
 
 # Against the single-process call on the same fp32 inputs: the shards change only the
@@ -251,21 +249,12 @@ def _check_dtensor(rank: int, world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+    run_gloo_rank(
+        rank,
+        world,
+        folder,
+        lambda: _check_vocab_parallel(rank, world) + _check_dtensor(rank, world),
     )
-    try:
-        found = _check_vocab_parallel(rank, world) + _check_dtensor(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
 
 
 @pytest.mark.slow

@@ -10,9 +10,7 @@ float64 in ``test_token_logprobs``) and with the float64 plain expression. The b
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import linear_ce
+from conftest import run_gloo_rank
 from linear_ce.distributed import vocab_parallel_token_logprobs
 
 TOL = 1e-5
@@ -137,21 +136,7 @@ def _check_ties(rank: int, world: int, sizes: list[int]) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        found = _check(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
+    run_gloo_rank(rank, world, folder, lambda: _check(rank, world))
 
 
 @pytest.mark.slow

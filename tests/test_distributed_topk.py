@@ -11,17 +11,15 @@ float64 in ``test_sparse_divergence``) and the float64 formula of the forward KL
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import linear_ce
+from conftest import run_gloo_rank
 from linear_ce.distributed import vocab_parallel_sparse_divergence, vocab_parallel_token_logprobs
 
 # fp32 against the single-process fp32 call: the same math summed in another order over
@@ -183,21 +181,9 @@ def _check_sparse(rank: int, world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+    run_gloo_rank(
+        rank, world, folder, lambda: _check_topk(rank, world) + _check_sparse(rank, world)
     )
-    try:
-        found = _check_topk(rank, world) + _check_sparse(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
 
 
 @pytest.mark.slow

@@ -15,10 +15,8 @@ Bad placements and meshes are checked in this process, on a mesh of one rank.
 from __future__ import annotations
 
 import copy
-import datetime
 import importlib.util
 import json
-import os
 from collections.abc import Callable
 
 import pytest
@@ -31,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import linear_ce
 import linear_ce.objectives as obj
-from conftest import eps, rel_err
+from conftest import eps, rel_err, run_gloo_rank
 from linear_ce.parallel.dtensor import accepts_dtensors
 
 IGNORE = -100
@@ -543,21 +541,9 @@ def _checks(world: int) -> dict[str, Callable[[int], list[str]]]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+    run_gloo_rank(
+        rank, world, folder, lambda: {name: check(rank) for name, check in _checks(world).items()}
     )
-    try:
-        found = {name: check(rank) for name, check in _checks(world).items()}
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
 
 
 def _spawn(world: int, folder) -> dict[str, list[str]]:

@@ -17,17 +17,14 @@ gradients by autograd.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import linear_ce
-from conftest import eps, rel_err
+from conftest import eps, rel_err, run_gloo_rank
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.distributed import vocab_parallel_token_logprobs, vocab_parallel_token_objective
 from linear_ce.losses.token_objective import ObjectiveHead
@@ -407,21 +404,7 @@ def _check_vocab_parallel(rank: int, world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        found = _check_vocab_parallel(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{folder}/rank{rank}.json", "w") as out:
-        json.dump(found, out)
+    run_gloo_rank(rank, world, folder, lambda: _check_vocab_parallel(rank, world))
 
 
 def test_vocab_parallel_forms_refuse_and_propagate_the_same(tmp_path):

@@ -20,7 +20,11 @@ widened into an fp32 tile of that many rows, and each step's gradient is
 written back over its logits, so the half tile becomes the gradient GEMMs'
 operand. At 2 bytes per logit instead of an fp32 tile's 4 plus its half copy's
 2, chunks are ~3× longer in the same memory, which is what the GEMMs and the
-weight-gradient sum's passes are paid per.
+weight-gradient sum's passes are paid per. A head whose gradient needs every row of its
+chunk done first (``grads_after_chunk``: a sequence objective's chunk of whole groups)
+takes the half tile in two sweeps: the first runs each step up to ``rows_done`` and keeps
+its row statistics, the second widens each step again, forms ``eᵘ`` from the kept row
+max (the same values the first formed) and writes its gradient back.
 
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
@@ -231,8 +235,12 @@ def run_chunks(
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
     x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input)
-    stats_buf = torch.empty((step, 1 + head.extra_sums), dtype=acc, device=device)
-    late_buf = torch.empty((step, head.late_sums), dtype=acc, device=device)
+    # Two sweeps (see the module doc) keep every step's statistics for the chunk.
+    two_sweeps = half and want_grads and getattr(head, "grads_after_chunk", False)
+    kept = chunk if two_sweeps else step
+    stats_buf = torch.empty((kept, 1 + head.extra_sums), dtype=acc, device=device)
+    late_buf = torch.empty((kept, head.late_sums), dtype=acc, device=device)
+    max_buf = torch.empty((kept,), dtype=acc, device=device) if two_sweeps else None
     if companion is not None:
         other = _CompanionBuffers(companion, chunk, local_classes, acc, x_rows_buf is not None)
 
@@ -245,21 +253,26 @@ def run_chunks(
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
 
-    def rows_math(u: torch.Tensor, chunk_rows, p: int, b_p) -> torch.Tensor | None:
-        """Everything between the logits GEMM and the gradient GEMMs for the rows of
-        ``u`` (their raw logits): ``factor · ∂L/∂s`` in a tile, or ``None`` without
-        gradients."""
-        n = u.shape[0]
+    def transformed(u: torch.Tensor, b_p) -> None:
+        """The logits transform of raw logits ``u``, in place."""
         if b_p is not None:
             u.add_(b_p)
-        transform.apply_(u, None if sech2 is None else sech2[:n])
+        transform.apply_(u, None if sech2 is None else sech2[: u.shape[0]])
+
+    def rows_math(u: torch.Tensor, chunk_rows, p: int, b_p, at: int = 0) -> torch.Tensor | None:
+        """Everything between the logits GEMM and the gradient GEMMs for the rows of
+        ``u`` (their raw logits): ``factor · ∂L/∂s`` in a tile, or ``None`` without
+        gradients (or with two sweeps, whose first keeps the statistics from row ``at``
+        of the chunk's buffers)."""
+        n = u.shape[0]
+        transformed(u, b_p)
         if companion is not None:
             head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
 
-        row_max = u.amax(dim=1)
+        row_max = u.amax(dim=1) if max_buf is None else torch.amax(u, 1, out=max_buf[at : at + n])
         vocab.max_(row_max)
         u.sub_(row_max[:, None])
-        stats = stats_buf[:n]
+        stats = stats_buf[at : at + n]
         head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
         if exp_block is not None:
             _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n], plan.exp2)
@@ -269,19 +282,20 @@ def run_chunks(
             torch.sum(e, dim=1, out=stats[:, 0])
             head.sums_after_exp(u, e, stats[:, 1:])
         vocab.sum_(stats)
-        sum_exp = stats[:, 0]
-        log_sum_exp = sum_exp.log()
-        # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
-        lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
-        row_stats = RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
+        row_stats = _row_stats(row_max, stats)
         if head.late_sums:
-            late = late_buf[:n]
+            late = late_buf[at : at + n]
             head.sums_after_stats(u, e, row_stats, late)
             vocab.sum_(late)
             row_stats.late = late
         head.rows_done(chunk_rows, p, row_stats)
-        if not want_grads:
+        if not want_grads or two_sweeps:
             return None
+        return grad_math(u, e, chunk_rows, p, row_stats)
+
+    def grad_math(u: torch.Tensor, e, chunk_rows, p: int, row_stats: RowStats) -> torch.Tensor:
+        """``factor · ∂L/∂s`` of the rows of ``u`` (``u = s − max``, ``e = eᵘ``) in a tile."""
+        n = u.shape[0]
         g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
         if scale_in_tile:
             g.mul_(grad_scale)
@@ -304,9 +318,22 @@ def run_chunks(
                     part = slice(start, min(start + step, n))
                     u = tile[: part.stop - start]
                     u.copy_(logits[part])
-                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p)
+                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p, start)
                     if g is not None:
                         logits[part].copy_(g)
+                if two_sweeps:
+                    for start in range(0, n, step):
+                        part = slice(start, min(start + step, n))
+                        u = tile[: part.stop - start]
+                        u.copy_(logits[part])
+                        transformed(u, b_p)
+                        u.sub_(max_buf[part, None])
+                        e = _exp(u, u if exp_tile is None else exp_tile[: u.shape[0]], plan.exp2)
+                        row_stats = _row_stats(max_buf[part], stats_buf[part])
+                        if head.late_sums:
+                            row_stats.late = late_buf[part]
+                        sub_rows = _sub_rows(chunk_rows, part)
+                        logits[part].copy_(grad_math(u, e, sub_rows, p, row_stats))
                 g = logits
             else:
                 u = tile[:n]
@@ -394,6 +421,15 @@ def add_grad_input_rows(
     part = buffer[: rows.numel()].zero_()
     gemm.add_grad_input(part, grad_logits, weight)
     grad_x.index_add_(0, rows, part)
+
+
+def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:
+    """The rows' statistics from their max and their summed ``(Σ eᵘ, head's sums)``."""
+    sum_exp = stats[:, 0]
+    log_sum_exp = sum_exp.log()
+    # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
+    lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
+    return RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
 
 
 def _sub_rows(rows, part: slice):

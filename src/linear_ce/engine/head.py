@@ -17,7 +17,11 @@ Per chunk it calls, in this order:
    outputs.
 4. only when gradients are wanted: ``grad_tile(u, e, rows, p, stats, factor)``
    turns one of the two tiles into :math:`\partial L / \partial s` times
-   ``factor`` (the constant of the logits transform) and returns it.
+   ``factor`` (the constant of the logits transform) and returns it. A head
+   with ``grads_after_chunk = True`` (optional; a row's gradient needs every
+   row of its chunk done first) may get ``rows_done`` for the chunk a step of
+   rows at a time, and then ``grad_tile`` for each step in a second sweep, with
+   that step's ``stats``: its ``grad_tile`` reads nothing an earlier step left.
 
 A head run with a companion projection (a teacher's head,
 :class:`linear_ce.engine.chunk_loop.Companion`) also gets ``companion_tile(t, rows, p)``
