@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import linear_ce
 import linear_ce.engine.chunk_loop
@@ -235,6 +236,60 @@ def test_upstream_gradient_scales_the_stored_gradients():
         grads.append((xs.grad, Ws.grad))
     for g, r in zip(*grads, strict=True):
         assert rel_err(g, r) <= 3 * eps(torch.float64)
+
+
+class _LargeWrites(TorchDispatchMode):
+    """Records every op but a view whose output has at least ``elements`` elements."""
+
+    def __init__(self, elements):
+        super().__init__()
+        self.elements, self.ops = elements, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and any(
+            isinstance(o, torch.Tensor) and o.numel() >= self.elements
+            for o in torch.utils._pytree.tree_leaves(out)
+        ):
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("upstream", [None, 0.5], ids=["loss.backward()", "0.5"])
+def test_a_unit_upstream_gradient_is_handed_over_without_a_pass(upstream):
+    # loss.backward() hands over the gradients formed in forward as they are: a scaling
+    # by 1 would be a pass over the (V, F) weight gradient that changes nothing.
+    x, W, _, _, t, _ = _inputs(40, 16, 300, torch.float32, False, None, False, seed=5)
+    xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
+    loss = linear_ce.linear_cross_entropy(xs, Ws, t)
+    with _LargeWrites(W.numel()) as writes:
+        loss.backward(None if upstream is None else torch.tensor(upstream))
+    assert writes.ops == ([] if upstream is None else ["aten.mul_.Tensor"])
+    x64, W64 = x.double().requires_grad_(), W.double().requires_grad_()
+    F.cross_entropy(x64 @ W64.T, t).backward(torch.tensor(1.0 if upstream is None else upstream))
+    # fp32 inputs: the float64 plain expression judges them to 3 eps (house rule).
+    assert rel_err(xs.grad, x64.grad) <= 3 * eps(torch.float32)
+    assert rel_err(Ws.grad, W64.grad) <= 3 * eps(torch.float32)
+
+
+def test_an_upstream_gradient_with_a_graph_keeps_its_derivative():
+    # create_graph with an upstream gradient that requires grad, equal to 1: the
+    # handed-over gradient depends on it, so its derivative must reach it.
+    x, W, _, _, t, _ = _inputs(13, 5, 7, torch.float64, False, None, False, seed=6)
+    Ws = W.clone().requires_grad_()
+    scale = torch.ones((), dtype=torch.float64, requires_grad=True)
+    (grad_w,) = torch.autograd.grad(
+        linear_ce.linear_cross_entropy(x, Ws, t), Ws, scale, create_graph=True
+    )
+    probe = torch.randn(W.shape, generator=torch.Generator().manual_seed(1), dtype=W.dtype)
+    (grad_w * probe).sum().backward()
+    Wr = W.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(F.cross_entropy(x @ Wr.T, t), Wr)
+    assert scale.grad is not None
+    # One float64 sum of V·F products against another: a few eps of its magnitude.
+    assert (
+        abs(scale.grad - (ref * probe).sum()) <= 3 * eps(torch.float64) * (ref * probe).abs().sum()
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

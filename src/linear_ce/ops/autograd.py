@@ -77,7 +77,8 @@ def hand_over_gradients(
     ctx: Any, needs: tuple[bool, ...], grad_loss: torch.Tensor, allow_retain_graph: bool
 ) -> list[torch.Tensor | None]:
     """The gradients stored in ``ctx.grads`` by forward, scaled by the scalar upstream
-    gradient. Without ``allow_retain_graph`` the stored buffers are scaled in place and
+    gradient. Without ``allow_retain_graph`` the stored buffers are scaled in place (or
+    handed over as they are, where the upstream gradient is a CPU scalar equal to 1) and
     released, so a second backward raises instead of returning wrong numbers."""
     stored = ctx.grads
     if any(need and g is None for g, need in zip(stored, needs, strict=True)):
@@ -93,6 +94,11 @@ def hand_over_gradients(
     in_place = not allow_retain_graph and not traced
     if not allow_retain_graph:
         ctx.grads = [None] * len(stored)
+    if in_place and _is_one(grad_loss):
+        # loss.backward(): the gradients are already the loss's own; scaling by 1 would be
+        # a pass over (V, F) that changes nothing (bf16, N=2048, D=1024, V=32768, 2-core
+        # Sapphire Rapids: ~5% of the step's three GEMMs; backward 0.3 ms against 106-176).
+        return list(stored)
     return [
         None
         if g is None
@@ -101,6 +107,23 @@ def hand_over_gradients(
         else g * grad_loss.to(g.dtype)
         for g in stored
     ]
+
+
+def _is_one(grad_loss: torch.Tensor) -> bool:
+    """Whether the upstream gradient is a plain scalar that is exactly 1, known without
+    waiting on a device: a CPU tensor's value is in host memory already, so reading it
+    is no synchronisation. On an accelerator the answer is "unknown" (the scaling then
+    runs, on the device, asynchronously), as it is for a gradient that carries a graph
+    (``create_graph``: the product's derivative in it is needed) or a wrapped one (a
+    functorch transform's, a tensor subclass)."""
+    return (
+        type(grad_loss) is torch.Tensor
+        and grad_loss.device.type == "cpu"
+        and grad_loss.numel() == 1
+        and not grad_loss.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(grad_loss)
+        and grad_loss.item() == 1.0
+    )
 
 
 def row_weight(
