@@ -114,7 +114,15 @@ def _logprobs(model, inputs, grad: bool):
 
 
 def _batch(
-    trainer, beta, *, on_policy=False, tool_mask=False, empty=False, sampling=False, vllm=None
+    trainer,
+    beta,
+    *,
+    on_policy=False,
+    tool_mask=False,
+    empty=False,
+    sampling=False,
+    vllm=None,
+    measured_entropy=None,
 ):
     """A batch TRL generated, with advantages of both signs and, unless ``on_policy``, old
     log-probabilities giving the ratios of ``OFFSETS``; reference log-probabilities nearby."""
@@ -122,6 +130,8 @@ def _batch(
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     trainer.beta = beta
     trainer.current_gradient_accumulation_steps = 2  # set by Trainer.train: one of two steps
+    if measured_entropy is not None:  # the adaptive controller's last optimizer step
+        trainer._last_world_entropy = measured_entropy
     rows = inputs["completion_ids"].shape[0]
     if empty:  # as TRL's mask_truncated_completions leaves a truncated completion
         inputs["completion_mask"][1] = 0
@@ -158,9 +168,9 @@ def _step(trainer, inputs) -> tuple[torch.Tensor, dict, dict]:
     return loss.detach(), grads, metrics
 
 
-def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
+def _float64(trainer, inputs, bonus: float) -> tuple[torch.Tensor, dict]:
     """TRL 1.16's sequence-level GRPO loss, typed from its paper and trainer, in float64
-    from the full logits."""
+    from the full logits; ``bonus``: the entropy bonus's coefficient applied."""
     model = copy.deepcopy(trainer.model).double()
     token, entropy = _logprobs(model, inputs, grad=True)
     mask = inputs["completion_mask"].double()
@@ -215,8 +225,8 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
             inputs["num_items_in_batch"].double() * steps / trainer.args.steps_per_generation
         )
         loss = sums.sum() / normalizer
-    if trainer.entropy_coef:
-        loss = loss - trainer.entropy_coef * (entropy * mask).sum() / n.sum() / steps
+    if bonus:
+        loss = loss - bonus * (entropy * mask).sum() / n.sum() / steps
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
@@ -224,9 +234,14 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
 def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options=None, **config):
     trainer = _trainer(tmp_path, **config)
     inputs = _batch(trainer, beta, **(batch or {}))
-    # The adaptive entropy controller's state, which a step moves: both runs start from it.
+    # The adaptive entropy controller's state, which a step moves: both runs start from it
+    # and must leave it alike. Its coefficient applies while the last entropy is on target.
     state = {k: copy.copy(getattr(trainer, k)) for k in _CONTROLLER}
+    bonus = trainer.entropy_coef
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        bonus = 0.0
     loss, grads, metrics = _step(trainer, inputs)
+    moved = {k: getattr(trainer, k) for k in _CONTROLLER}
     for key, value in state.items():
         setattr(trainer, key, value)
     routed.update(sequence=0, kernel=0)
@@ -241,7 +256,7 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
     else:
         # House rule: within 3 eps of float64, or twice TRL's own fp32 error where that
         # is larger (the backbone's fp32 forward and backward round in both runs).
-        want, want_grads = _float64(trainer, inputs)
+        want, want_grads = _float64(trainer, inputs, bonus)
         for got_value, trl_value, name in pairs:
             exact = want if name == "loss" else want_grads[name]
             bound = max(3 * eps(torch.float32), 2 * rel_err(trl_value, exact))
@@ -249,6 +264,12 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
     assert got_metrics.keys() == metrics.keys()
     for key, value in metrics.items():
         assert math.isclose(got_metrics[key], value, rel_tol=BOUND, abs_tol=BOUND), key
+    for key, value in moved.items():
+        if value is None or isinstance(value, torch.Tensor):  # the window's sums, or none
+            assert (value is None) == (getattr(trainer, key) is None), key
+            assert value is None or rel_err(getattr(trainer, key), value) <= BOUND, key
+        else:
+            assert getattr(trainer, key) == pytest.approx(value, rel=BOUND), key
     return metrics
 
 
@@ -265,6 +286,12 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         (0.02, {"empty": True}, {"loss_type": "dapo", "entropy_coef": 0.02}),
         (0.02, {}, {"loss_type": "sapo"}),
         (0.0, {}, {"off_policy_mask_threshold": 0.3}),
+        (
+            0.0,
+            {"measured_entropy": 0.1, "tool_mask": True},
+            {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 5.0},
+        ),
+        (0.0, {}, {"use_adaptive_entropy": True, "entropy_coef": 0.01}),
         (0.02, {"vllm": "token", "tool_mask": True}, {}),
         (0.0, {"vllm": "sequence"}, {"loss_type": "cispo", "epsilon_high": 1.3}),
         (
@@ -285,6 +312,8 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         "dapo-kl-entropy_bonus-empty",
         "sapo-kl",
         "grpo-opsm",
+        "grpo-adaptive_entropy_on-tool_mask",
+        "grpo-adaptive_entropy_off",
         "grpo-kl-vllm_token_is-tool_mask",
         "cispo-vllm_sequence_is",
         "bnpo-kl-opsm_sampling-empty",
@@ -323,10 +352,9 @@ def test_routed_gspo_in_many_chunks(tmp_path, routed):
         dict(importance_sampling_level="token"),
         dict(loss_type="vespo"),
         dict(top_entropy_quantile=0.5),
-        dict(use_adaptive_entropy=True, entropy_coef=0.01),
         dict(delta=1.1),  # below 1 + epsilon_high: gspo() refuses it
     ],
-    ids=["token", "vespo", "entropy_mask", "adaptive_entropy", "low_delta"],
+    ids=["token", "vespo", "entropy_mask", "low_delta"],
 )
 def test_unrouted_grpo_stays_trls(tmp_path, routed, config):
     _compare(tmp_path, routed, False, **config)

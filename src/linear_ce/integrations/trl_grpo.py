@@ -15,7 +15,8 @@ loss) runs unchanged around the head, through ``_get_per_token_logps_and_entropi
 Routed: ``loss_type`` ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and ``luspo`` (the clipped
 surrogate), ``sapo`` (its soft gate of the sequence ratio) and ``cispo`` (its detached,
 capped sequence ratio times the log-probabilities), each with its own aggregation; with
-``delta``, ``beta`` (and ``use_bias_correction_kl``), a static ``entropy_coef``, the
+``delta``, ``beta`` (and ``use_bias_correction_kl``), the entropy bonus (static, or TRL's
+adaptive controller, its state moved as TRL moves it), the
 off-policy sequence mask (``off_policy_mask_threshold``), vLLM's importance-sampling
 correction (the batch's ratios, per token or per sequence, weigh the policy term), a tool
 mask,
@@ -29,8 +30,6 @@ auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
 - ``top_entropy_quantile < 1``: the token mask is a quantile of every token's entropy over
   every process, known only after the whole batch's entropies, so no token's gradient is
   known inside the pass;
-- ``use_adaptive_entropy``: the controller's window statistics and coefficient updates are
-  TRL's trainer state;
 - advantages per token (a subclass's ``(B, T)``), a ``delta`` below ``1 + epsilon_high``
   (:func:`~linear_ce.objectives.gspo` refuses it), a batch with no completion token.
 
@@ -89,6 +88,8 @@ _TRAINER_ATTRIBUTES = (
     "entropy_coef",
     "use_adaptive_entropy",
     "_entropy_bonus_enabled",
+    "_last_world_entropy",
+    "_entropy_window_stats",
     "off_policy_mask_threshold",
     "use_vllm",
     "vllm_importance_sampling_correction",
@@ -108,6 +109,11 @@ _LOSS_READS = (
     "sapo_temperature_pos",
     "sapo_temperature_neg",
     "get_off_policy_mask",
+    "entropy_target",
+    "entropy_coef_delta",
+    "entropy_coef_max",
+    "entropy_coef_min",
+    "sync_gradients",
 )
 _LOSS_CONSTANTS = (
     "sequence",
@@ -128,7 +134,6 @@ def _routable(trainer: Any, inputs: dict) -> bool:
         trainer.importance_sampling_level == "sequence"
         and trainer.loss_type in GRPO_ROUTED_LOSSES
         and trainer.top_entropy_quantile >= 1.0
-        and not trainer.use_adaptive_entropy
         and inputs["advantages"].dim() == 1
     )
 
@@ -252,6 +257,7 @@ def _objective(
     denominator: torch.Tensor,
     tokens: torch.Tensor,
     steps: float,
+    bonus: float,
     sums: _Sums,
 ) -> SequenceObjective:
     r"""The step's loss as one objective whose sum (``reduction="sum"``) is TRL's loss:
@@ -262,7 +268,6 @@ def _objective(
     beta, bias_correction = float(trainer.beta), bool(trainer.args.use_bias_correction_kl)
     per_mean = trainer.loss_type in _PER_SEQUENCE_MEAN
     threshold = trainer.off_policy_mask_threshold
-    bonus = float(trainer.entropy_coef) if trainer._entropy_bonus_enabled else 0.0
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         loss = surrogate(batch)
@@ -291,6 +296,42 @@ def _objective(
         side=("advantage",),
         needs_entropy=True,
     )
+
+
+def _bonus(trainer: Any) -> float:
+    """The entropy bonus's coefficient for this step: the static one, or the adaptive
+    controller's as its last optimizer step left it (applied only while the entropy it
+    measured is at most the target)."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        return 0.0
+    return float(trainer.entropy_coef)
+
+
+def _adapt(trainer: Any, entropy_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+    """TRL's adaptive entropy controller, moved by this micro-batch: its entropy sum and
+    token count added to the accumulation window's; at an optimizer step, the window's
+    entropy over every process moves the coefficient by ``entropy_coef_delta`` toward
+    raising the entropy to ``entropy_target`` (within its bounds), and the window restarts."""
+    args = trainer.args
+    stats = torch.stack([entropy_sum, tokens]).to(torch.float32)
+    window = trainer._entropy_window_stats
+    trainer._entropy_window_stats = stats if window is None else window + stats
+    if not trainer.accelerator.sync_gradients:
+        return
+    totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+    entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+    if entropy <= args.entropy_target:
+        trainer.entropy_coef = min(
+            trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max
+        )
+    else:
+        trainer.entropy_coef = max(
+            trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min
+        )
+    trainer._last_world_entropy = entropy
+    trainer._entropy_window_stats = None
 
 
 def _denominator(trainer: Any, inputs: dict, rows: int, tokens: torch.Tensor, mode: str):
@@ -332,7 +373,7 @@ def _routed_loss(
     denominator, accumulation = _denominator(trainer, inputs, rows, tokens, mode)
     sums = _Sums()
     steps = float(trainer.current_gradient_accumulation_steps) if mode == "train" else 1.0
-    objective = _objective(trainer, surrogate, denominator, tokens, steps, sums)
+    objective = _objective(trainer, surrogate, denominator, tokens, steps, _bonus(trainer), sums)
     side = {"advantage": inputs["advantages"][present].detach()}
     old = inputs.get("old_per_token_logps")
     if old is not None:
@@ -366,6 +407,8 @@ def _routed_loss(
         trainer._metrics[mode]["policy_loss"].append(
             trainer.accelerator.gather(policy.to(torch.float32)).nanmean().item()
         )
+        if trainer.use_adaptive_entropy and mode == "train":
+            _adapt(trainer, sums.total("entropy"), tokens)
         if mode == "train" and trainer.accelerator.sync_gradients:
             trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
     if trainer.aux_loss_enabled:
