@@ -29,7 +29,7 @@ auxiliary loss. Kept on TRL's own ``_compute_loss`` (unchanged):
   sum (not the sequence ratio) and TRL expects it at the token level (it warns otherwise);
 - ``top_entropy_quantile < 1``: the token mask is a quantile of every token's entropy over
   every process, known only after the whole batch's entropies, so no token's gradient is
-  known inside the pass;
+  known inside the pass (a first pass for them would cost the GEMM the route saves);
 - advantages per token (a subclass's ``(B, T)``), a ``delta`` below ``1 + epsilon_high``
   (:func:`~linear_ce.objectives.gspo` refuses it), a batch with no completion token.
 
