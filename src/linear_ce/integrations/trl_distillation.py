@@ -8,6 +8,16 @@ divergence on :func:`linear_ce.linear_divergence`: masked positions take part
 in no GEMM, the student's gradients are formed in the same pass (four GEMMs per
 step where TRL's function takes six, eight for the generalised JSD) and no
 ``(V, F)`` fp32 accumulator is allocated for half heads.
+
+The compute dtype of each head (student, teacher): without autocast the hidden states'
+dtype, as TRL's. Under autocast (TRL's default config: bf16, also on CPU) the wider of the
+autocast dtype and the head weight's dtype, where TRL's takes the autocast dtype: fp32
+parameters run an fp32 head, so the student's gradients are fp32 sums within fp32
+rounding of the float64 gradient (about 1e-7, against 2-3e-3 for TRL's function, which
+rounds the operands and the logit gradients to bf16, and 3.5-4.4e-3 for a bf16 head; tiny
+Llamas, ``tests/test_trl_distillation.py``). A weight in the autocast dtype (a bf16 model)
+keeps a bf16 head. The price is fp32 GEMMs where a bf16 head would have run half ones
+(``docs/integrations.md``, "Autocast with fp32 parameters").
 """
 
 from __future__ import annotations
@@ -62,10 +72,14 @@ def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype TRL's projections run in: autocast's, else the hidden states'."""
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a head runs in: the hidden states' without autocast (as TRL); under
+    autocast the wider of its dtype and the weight's (TRL: autocast's), so fp32
+    parameters get fp32 gradient sums, not bf16-rounded ones (see the module doc)."""
     kind = hidden.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+    if torch.is_autocast_enabled(kind):
+        return torch.promote_types(torch.get_autocast_dtype(kind), weight.dtype)
+    return hidden.dtype
 
 
 def chunked_divergence_loss(
@@ -136,10 +150,12 @@ def _summed(
     temperature,
     options,
 ):
-    s_dtype = _compute_dtype(student_hidden_states)
-    t_dtype = _compute_dtype(teacher_hidden_states)
-    student_weight = _whole(student_lm_head_weight).to(s_dtype)
-    teacher_weight = _whole(teacher_lm_head_weight).to(t_dtype)
+    student_weight = _whole(student_lm_head_weight)
+    teacher_weight = _whole(teacher_lm_head_weight)
+    s_dtype = _compute_dtype(student_hidden_states, student_weight)
+    t_dtype = _compute_dtype(teacher_hidden_states, teacher_weight)
+    student_weight = student_weight.to(s_dtype)
+    teacher_weight = teacher_weight.to(t_dtype)
     student_bias = _whole(student_lm_head_bias)
     teacher_bias = _whole(teacher_lm_head_bias)
     valid = completion_mask != 0
