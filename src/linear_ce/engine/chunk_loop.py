@@ -318,7 +318,8 @@ def run_chunks(
                     part = slice(start, min(start + step, n))
                     u = tile[: part.stop - start]
                     u.copy_(logits[part])
-                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p, start)
+                    at = start if two_sweeps else 0
+                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p, at)
                     if g is not None:
                         logits[part].copy_(g)
                 if two_sweeps:
