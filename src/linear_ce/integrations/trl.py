@@ -52,6 +52,10 @@ the student's gradients formed in forward inside TRL's gather of both heads.
 the DPO loss itself with :func:`linear_ce.sequence_objective` (three GEMMs, gradients in the
 same pass); the other settings run TRL's own loss. That route does not log ``logits/*`` and
 ``mean_token_accuracy`` (see :mod:`linear_ce.integrations.trl_sequence`).
+``GRPOTrainer._compute_loss`` at ``importance_sampling_level="sequence"`` (GSPO) and
+``KTOTrainer``'s loss are routed the same way (:mod:`linear_ce.integrations.trl_grpo`,
+:mod:`linear_ce.integrations.trl_kto`); what each keeps on TRL's own loss is listed in
+docs/sequence-objectives.md.
 
 Differences: TRL's ``chunk_size`` (its vocabulary tile) is ignored, ``linear_ce`` plans
 its own chunks (``options``). Under autocast with fp32 parameters (TRL's default config:
