@@ -26,8 +26,10 @@ label smoothing and :math:`\lambda` the z-loss. This is exactly torch's
 The result is :math:`\sum_i \tau_i \ell_i` scaled by :math:`1/\sum_i\omega_i`
 for ``"mean"`` (:math:`1/N` for probability targets), where :math:`\tau` is
 the token weight; the gradient of row :math:`i` is scaled by
-:math:`r_i = \tau_i \cdot` (that normaliser, or the upstream gradient for
-``"none"``).
+:math:`r_i = \tau_i` (times the upstream gradient for ``"none"``), and every
+gradient by the normaliser of ``"mean"``, which the loop applies to its fp32 sums
+(``RowTerms.grad_scale``): folded into a half gradient tile, a mean's
+:math:`1/\sum_i\omega_i` pushes its entries towards the half dtype's subnormals.
 
 The head (:class:`CrossEntropyHead`) computes it on the loop's tiles: per row, with
 the coefficients of :class:`RowTerms`, the loop's :math:`u = s - m` and
@@ -62,7 +64,9 @@ class RowTerms:
     at class 0); ``valid`` is False on ignored rows. ``A`` is the total target
     weight :math:`A_i`; ``zeta`` is :math:`\\lambda\\,\\omega_i`; ``scale`` is
     :math:`r_i`; ``token`` is :math:`\\tau_i`; ``normaliser`` the scalar that
-    turns the sum into the requested reduction.
+    turns the sum into the requested reduction; ``grad_scale`` the factor of every
+    gradient the loop applies to its sums (the normaliser of a ``"mean"`` forward, zero
+    where no row counts; ``None``: one).
     """
 
     target: torch.Tensor | None
@@ -76,6 +80,7 @@ class RowTerms:
     scale: torch.Tensor
     normaliser: torch.Tensor
     class_weight: torch.Tensor | None
+    grad_scale: torch.Tensor | None = None
 
     def z_rows(self, lse: torch.Tensor) -> torch.Tensor:
         """The z-loss term of each row, :math:`\\tau_i\\,\\lambda\\,\\omega_i\\,\\mathrm{lse}_i^2`."""
@@ -176,12 +181,15 @@ def row_terms(
         normaliser = torch.where(total == 0, torch.nan, 1.0 / total)
     else:
         normaliser = torch.ones((), dtype=acc_dtype, device=device)
+    grad_scale = None
     if grad_output is not None:
         scale = token * grad_output.to(acc_dtype).reshape(rows, positions)
     else:
-        # Ignored rows get exactly zero gradient, also when the normaliser is NaN
-        # (every row ignored): torch returns zero gradients there, not NaN.
-        scale = torch.where(valid, token * normaliser, 0.0)
+        # Ignored rows get exactly zero gradient.
+        scale = torch.where(valid, token, 0.0)
+        if call.reduction == "mean":
+            # Zero, not NaN, where every row is ignored: torch returns zero gradients.
+            grad_scale = torch.where(total == 0, 0.0, normaliser)
     return RowTerms(
         target=target,
         valid=valid,
@@ -194,6 +202,7 @@ def row_terms(
         scale=scale,
         normaliser=normaliser,
         class_weight=class_weight,
+        grad_scale=grad_scale,
     )
 
 

@@ -146,6 +146,7 @@ def run_cross_entropy(
         options,
         vocab,
         needs,
+        grad_scale=terms.grad_scale,
     )
     return terms, head, grads
 

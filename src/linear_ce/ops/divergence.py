@@ -37,7 +37,13 @@ from linear_ce.ops.autograd import (
 )
 from linear_ce.ops.schema import OpSchema, PlanOptions
 
-__all__ = ["SCHEMA", "DivergenceArguments", "divergence", "divergence_on_shard"]
+__all__ = [
+    "SCHEMA",
+    "DivergenceArguments",
+    "divergence",
+    "divergence_on_shard",
+    "mean_gradient_scale",
+]
 
 
 class DivergenceArguments(NamedTuple):
@@ -68,6 +74,22 @@ class DivergenceArguments(NamedTuple):
     name: str = "linear_divergence"
 
 
+def mean_gradient_scale(
+    valid: torch.Tensor, reduction: str, acc: torch.dtype
+) -> tuple[str, torch.Tensor | None]:
+    """The reduction whose row weights the head folds into its gradient tile, and the
+    factor the loop applies to its fp32 gradient sums (``run_head``'s ``grad_scale``).
+
+    A ``"mean"``'s ``1/count`` is that factor, the rows weighted as for ``"sum"``: folded
+    into a half tile, ``w/count`` pushes its entries into the half dtype's subnormals
+    (fp16 distillation over 32768 rows: 140x the weight gradient's final rounding). Zero,
+    not NaN, where no row counts (the gradients are zero, as torch's)."""
+    if reduction != "mean":
+        return reduction, None
+    count = valid.sum().to(acc)
+    return "sum", torch.where(count == 0, 0.0, 1.0 / count)
+
+
 def run_divergence(
     args: DivergenceArguments, vocab: Vocab
 ) -> tuple[torch.Tensor, torch.Tensor, Gradients]:
@@ -84,7 +106,8 @@ def run_divergence(
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     valid = target != args.ignore_index
     needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
-    weight = row_weight(valid, args.reduction, args.grad_rows, acc)
+    weighted, grad_scale = mean_gradient_scale(valid, args.reduction, acc)
+    weight = row_weight(valid, weighted, args.grad_rows, acc)
     head = DivergenceHead(
         target.long(),
         valid,
@@ -126,6 +149,7 @@ def run_divergence(
         vocab,
         needs,
         teacher,
+        grad_scale=grad_scale,
     )
     loss = reduce_rows(head.loss, valid, args.reduction)
     entropy = head.entropy if args.entropy else input.new_empty((0,), dtype=acc)

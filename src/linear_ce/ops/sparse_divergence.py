@@ -35,6 +35,7 @@ from linear_ce.ops.autograd import (
     register_by_reduction,
     row_weight,
 )
+from linear_ce.ops.divergence import mean_gradient_scale
 from linear_ce.ops.schema import OpSchema, PlanOptions
 
 __all__ = [
@@ -216,7 +217,8 @@ def run_sparse_divergence(
         scale=args.target_temperature / args.transform.temperature,
     )
     needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
-    weight = row_weight(valid, args.reduction, args.grad_rows, acc)
+    weighted, grad_scale = mean_gradient_scale(valid, args.reduction, acc)
+    weight = row_weight(valid, weighted, args.grad_rows, acc)
     head = SparseDivergenceHead(
         teacher,
         target.long(),
@@ -238,6 +240,7 @@ def run_sparse_divergence(
         options,
         vocab,
         needs,
+        grad_scale=grad_scale,
     )
     return reduce_rows(head.loss, valid, args.reduction), grads
 
