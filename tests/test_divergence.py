@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import linear_ce
@@ -78,6 +79,98 @@ def plain_divergence(
     if reduction == "sum":
         return d.sum()
     return torch.nn.functional.pad(d, (0, shift)) if shift else d
+
+
+def _exact_divergence(
+    xs,
+    ws,
+    xt,
+    wt,
+    target,
+    up,
+    *,
+    bs=None,
+    bt=None,
+    beta=0.0,
+    temperature=1.0,
+    scale_s=1.0,
+    scale_t=1.0,
+    cap_s=None,
+    cap_t=None,
+    hard_weight=0.0,
+    reduction="mean",
+    shift=0,
+):
+    """The loss and the gradients of ``Σ loss·up`` for ``xs``, ``ws``, ``bs`` (``None``
+    without a bias) in numpy's extended precision (``longdouble``, 2¹¹× finer than
+    float64 on x86), by the closed forms of the module doc's divergences, written out:
+    with ``a = z/T`` and ``p = softmax(a)``, ``∂d/∂a`` is ``p_s − p_t`` (forward KL),
+    ``p_s (l_s − l_t − d)`` (reverse KL) and ``(1−β) p_s ((l_s − l_m) − Σ p_s (l_s − l_m))``
+    (the mixture), plus the hard term's ``h (softmax(z) − onehot(t))``; then the
+    softcap's ``1 − tanh²`` and the scale. What bounds a float64 call: the plain float64
+    expression's own error against it."""
+    ld = np.longdouble
+
+    def wide(a):
+        return None if a is None else a.detach().double().numpy().astype(ld)
+
+    xs, ws, xt, wt, bs, bt = (wide(a) for a in (xs, ws, xt, wt, bs, bt))
+    t = target.numpy()
+    n, length = t.shape
+    rows = length - shift
+    x_rows, t_rows = xs[:, :rows].reshape(-1, xs.shape[-1]), t[:, shift:].reshape(-1)
+    xt_rows = xt[:, :rows].reshape(-1, xt.shape[-1])
+
+    def logits(x, w, b, scale, cap):
+        y = (x @ w.T + (0 if b is None else b)) * scale
+        if cap is None:
+            return y, np.ones_like(y)
+        th = np.tanh(y / cap)
+        return cap * th, 1 - th * th
+
+    def log_softmax(a):
+        a = a - a.max(-1, keepdims=True)
+        return a - np.log(np.exp(a).sum(-1, keepdims=True))
+
+    zs, dz_dy = logits(x_rows, ws, bs, scale_s, cap_s)
+    zt, _ = logits(xt_rows, wt, bt, scale_t, cap_t)
+    ls, lt = log_softmax(zs / temperature), log_softmax(zt / temperature)
+    ps, pt = np.exp(ls), np.exp(lt)
+    if beta == 0.0:
+        d = (pt * (lt - ls)).sum(-1)
+        da = ps - pt
+    elif beta == 1.0:
+        d = (ps * (ls - lt)).sum(-1)
+        da = ps * (ls - lt - d[:, None])
+    else:
+        lm = np.log(beta * pt + (1 - beta) * ps)
+        d = beta * (pt * (lt - lm)).sum(-1) + (1 - beta) * (ps * (ls - lm)).sum(-1)
+        gap = ls - lm
+        da = (1 - beta) * ps * (gap - (ps * gap).sum(-1, keepdims=True))
+    dz = da / temperature
+    valid = t_rows != -100
+    if hard_weight:
+        safe = np.where(valid, t_rows, 0)
+        l1 = log_softmax(zs)
+        d = d - hard_weight * l1[np.arange(len(safe)), safe]
+        onehot = np.zeros_like(l1)
+        onehot[np.arange(len(safe)), safe] = 1
+        dz = dz + hard_weight * (np.exp(l1) - onehot)
+    d = np.where(valid, d, 0)
+    up = up.numpy().astype(ld)
+    if reduction == "none":
+        loss = np.zeros((n, length), dtype=ld)
+        loss[:, :rows] = d.reshape(n, rows)
+        weight = up[:, :rows].reshape(-1)
+    else:
+        count = valid.sum() if reduction == "mean" else 1
+        loss = d.sum() / count
+        weight = np.full(d.shape, up / count, dtype=ld)
+    dy = dz * np.where(valid, weight, 0)[:, None] * dz_dy * scale_s
+    gx = np.zeros_like(xs)
+    gx[:, :rows] = (dy @ ws).reshape(n, rows, -1)
+    grads = [gx, dy.T @ x_rows] + ([] if bs is None else [dy.sum(0)])
+    return loss, grads
 
 
 def _inputs(
@@ -165,18 +258,37 @@ def _check(
         )
     else:
         ref_grads = got_grads = same_grads = ()
-    # A float64 call meets a float64 reference with rounding errors of its own (a few eps
-    # over the vocabulary sums): there the bound is 16 eps; elsewhere the house's 3 eps.
-    bound = (16 if dtype == torch.float64 else 3) * eps(dtype)
     assert got.shape == ref.shape
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert rel_err(got, ref) <= max(bound, 2 * rel_err(same, ref)), rel_err(got, ref)
-    for name, g, r, p in zip(
-        ("input", "weight", "bias"), got_grads, ref_grads, same_grads, strict=False
-    ):
-        assert g.dtype == dtype
-        assert rel_err(g, r) <= max(bound, 2 * rel_err(p, r)), (name, rel_err(g, r))
+    assert all(g.dtype == dtype for g in got_grads)
+    bound = 3 * eps(dtype)
+    if dtype != torch.float64:
+        # Against float64: 3 eps, or twice the plain same-dtype expression's error.
+        assert rel_err(got, ref) <= max(bound, 2 * rel_err(same, ref)), rel_err(got, ref)
+        for name, g, r, p in zip(
+            ("input", "weight", "bias"), got_grads, ref_grads, same_grads, strict=False
+        ):
+            assert rel_err(g, r) <= max(bound, 2 * rel_err(p, r)), (name, rel_err(g, r))
+        return got, ref
+    # A float64 call: against the extended-precision closed form, 3 eps or twice the plain
+    # float64 expression's own error against it (a few eps over the vocabulary sums; up to
+    # ~10 eps where T = 0.5 sharpens the softmax, measured).
+    if np.finfo(np.longdouble).eps >= 1e-18:
+        pytest.skip("numpy.longdouble is not wider than float64 on this platform")
+    ref_kw = {k: v for k, v in ref_args.items() if k not in ("bs", "bt")}
+    exact_loss, exact_grads = _exact_divergence(xs, ws, xt, wt, t, up, bs=bs, bt=bt, **ref_kw)
+    outputs = [("loss", got, ref, exact_loss)]
+    outputs += zip(("input", "weight", "bias"), got_grads, ref_grads, exact_grads, strict=False)
+    for name, g, plain, exact in outputs:
+        own = _ld_err(plain, exact)
+        assert _ld_err(g, exact) <= max(bound, 2 * own), (name, _ld_err(g, exact), own)
     return got, ref
+
+
+def _ld_err(got: torch.Tensor, exact) -> float:
+    """Relative Frobenius error of ``got`` against an extended-precision array."""
+    diff = got.detach().double().numpy().astype(np.longdouble) - exact
+    return float(np.linalg.norm(np.ravel(diff)) / np.linalg.norm(np.ravel(exact)))
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
@@ -223,6 +335,9 @@ def test_ignore_patterns_and_shift(pattern, reduction):
     seed=st.integers(0, 2**16),
     cap_s=st.sampled_from([None, 3.0]),
 )
+# Found by HYPOTHESIS_PROFILE=long: grad_input 18.5 eps from the float64 plain expression,
+# whose own error (never measured then) the old fixed 16-eps bound left out.
+@example(beta=1.0, temperature=0.5, hard_weight=0.0, bias=False, chunk=1, seed=1, cap_s=None)
 def test_property_float64(beta, temperature, hard_weight, bias, chunk, seed, cap_s):
     _check(
         torch.float64,
@@ -233,6 +348,29 @@ def test_property_float64(beta, temperature, hard_weight, bias, chunk, seed, cap
         bias=bias,
         chunk=chunk,
         cap_s=cap_s,
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the mixture head's float64 bias gradient: 3.27 eps from the extended-precision "
+    "closed form where the plain expression's is 1.43 eps (the head's per-logit gradient "
+    "rounds more; the summation order is not it: the plain gradient summed in chunks of 1-30 "
+    "rows stays at 1.4-1.5 eps). Found by HYPOTHESIS_PROFILE=long",
+)
+def test_mixture_bias_gradient_float64():
+    """The example of ``test_property_float64`` whose bias gradient misses the house bound
+    (3 eps, or twice the plain float64 expression's own error), kept apart so the
+    property test's other outputs stay guarded; strict, so a fix shows."""
+    _check(
+        torch.float64,
+        seed=16825,
+        beta=0.5,
+        temperature=1.6675821767873047,
+        hard_weight=0.0,
+        bias=True,
+        chunk=2,
+        cap_s=None,
     )
 
 
@@ -286,6 +424,38 @@ def test_half_within_twice_plain_error(monkeypatch, dtype, beta, native, length,
     for g, r, s in zip(got_grads, ref_grads, same_grads, strict=True):
         assert g.dtype == dtype
         assert rel_err(g, r) <= max(3 * eps(dtype), 2 * rel_err(s, r))
+
+
+@pytest.mark.parametrize(
+    ("beta", "native"), [(0.0, "1"), (0.5, "1"), (1.0, "1"), (0.5, "0")], ids=str
+)
+def test_fp16_mean_gradients_at_the_rounded_exact_gradient(monkeypatch, beta, native):
+    """reduction="mean" over many rows in fp16: the mean's 1/count is applied to the loop's
+    fp32 sums, not folded into the fp16 gradient tile, where w/count lies among fp16's
+    subnormals. Each gradient within twice the float64 gradient rounded once to fp16 (its
+    floor, measured here: the rounding any fp16 result has; grad_input's per-row entries
+    are themselves subnormal, so its floor is 1-18 eps). Measured (2-core Xeon, native fp16
+    GEMMs): grad_weight 1.0-1.1x its floor and grad_input 1.0-1.16x; with 1/count in the
+    tile grad_weight was 2.5x (beta 0), 140x (0.5) and 7x (1.0) its floor, grad_input up
+    to 4x. ``LINEAR_CE_NATIVE_HALF_GEMM=0``: the upcast path, an fp32 tile."""
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", native)
+    rows, classes = 32768 + 37, 64
+    g = torch.Generator().manual_seed(4)
+    xs = torch.randn(rows, 16, generator=g, dtype=torch.float64)
+    ws = torch.randn(classes, 16, generator=g, dtype=torch.float64) / 2
+    xt = torch.randn(rows, 12, generator=g, dtype=torch.float64)
+    wt = torch.randn(classes, 12, generator=g, dtype=torch.float64) / 2
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[::7] = -100  # a count that is no power of two
+    xs, ws, xt, wt = (a.half() for a in (xs, ws, xt, wt))
+    leaves = [a.clone().requires_grad_() for a in (xs, ws)]
+    linear_ce.linear_divergence(*leaves, xt, wt, t, beta=beta).backward()
+    wide = [a.double().requires_grad_() for a in (xs, ws)]
+    plain_divergence(*wide, xt.double(), wt.double(), t, beta=beta).backward()
+    for name, got, ref in zip(("input", "weight"), leaves, wide, strict=True):
+        floor = rel_err(ref.grad.half(), ref.grad)
+        err = rel_err(got.grad, ref.grad)
+        assert err <= 2 * floor, f"grad {name}: {err:.2e} > 2 x {floor:.2e} (exact, rounded)"
 
 
 def test_teacher_gets_no_gradient_and_hidden_sizes_differ():
