@@ -455,15 +455,12 @@ def shifted_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch
 
 def to_rows(
     shapes: Shapes,
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    linear_bias: torch.Tensor | None,
-    token_weight: torch.Tensor | None,
     probability_target: bool,
-) -> tuple[torch.Tensor, ...]:
-    """``(input, linear_weight, target, linear_bias, token_weight)`` reshaped to the
-    row layout of :class:`Call` (views where the caller's layout allows)."""
+    *tensors: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """``tensors``, ``(input, linear_weight, target, linear_bias, token_weight)``, reshaped
+    to the row layout of :class:`Call` (views where the caller's layout allows)."""
+    input, linear_weight, target, linear_bias, token_weight = tensors
     rows = math.prod(shapes.batch)
     positions = math.prod(shapes.out_features)
     if probability_target:
@@ -533,7 +530,7 @@ def check_call(
     if shift:
         target = shifted_target(target, shift, resolved_ignore)
     flat_input, flat_weight, flat_target, flat_bias, flat_token_weight = to_rows(
-        shapes, input, linear_weight, target, linear_bias, token_weight, probability_target
+        shapes, probability_target, input, linear_weight, target, linear_bias, token_weight
     )
     return Call(
         input=flat_input,
