@@ -270,24 +270,57 @@ def _reference(d, name, dtype, shift):
     return loss, torch.autograd.grad(loss, leaves), lp, cancellation
 
 
+def _reordered(d, name, shift, seed):
+    """The float64 formula on the same problem in another order: the features, the classes
+    and the order in which each sequence's log-probabilities are summed permuted. Exact
+    arithmetic gives the same loss, gradients (mapped back) and sums; the difference from
+    ``_reference`` is the formula's own rounding."""
+    *_, formula = CASES[name]
+    g = torch.Generator().manual_seed(100 + seed)
+    pf, pv, pt = (torch.randperm(k, generator=g) for k in (FEAT, V, T))
+    leaves = [d[k].clone().requires_grad_() for k in ("x", "W", "b")]
+    x, W, b = leaves
+    t = d["t"].clone()
+    scored_t = t != -100
+    t[scored_t] = torch.argsort(pv)[t[scored_t]]
+    ids = _ids(t)
+    lp_tok, _, scored = ref.token_terms(
+        x[..., pf], W[pv][:, pf], b[pv], t, ids, shift=shift, **TRANSFORM
+    )
+    lp = ref.per_sequence(lp_tok[:, pt], ids[:, pt], scored[:, pt], S)
+    loss = formula(d, lp_tok, scored, ids, lp, scored.sum(1).to(lp.dtype), shift).mean()
+    return [loss, *torch.autograd.grad(loss, leaves), lp.detach()]
+
+
+def _formula_spread(d, name, shift, want: list[torch.Tensor]) -> list[float]:
+    """The float64 formula's own error, measured: per output (loss, the three gradients,
+    the sums), the largest relative difference between ``want`` and the formula evaluated
+    in four other orders (:func:`_reference` and :func:`_reordered` differ by their two
+    roundings, so this is one to two times the formula's own error)."""
+    spread = [0.0] * len(want)
+    for seed in range(4):
+        got = _reordered(d, name, shift, seed)
+        spread = [max(s, rel_err(a, w)) for s, a, w in zip(spread, got, want, strict=True)]
+    return spread
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
 def test_sequence_builtin_matches_formula_float64(name, shift, path):
     d = _data(1)
     out, grads = _run(d, name, torch.float64, shift, path)
-    want, want_grads, want_lp, cancel = _reference(d, name, torch.float64, shift)
-    # Each sequence sum carries an absolute error of a few eps times its magnitude |L|;
-    # objectives that exponentiate a log-ratio (forward KL, alpha divergence) turn it
-    # into a relative error of that size (measured: up to 33 eps at |L| ~ 25); a loss
-    # that cancels is bounded relative to its terms.
-    scale = max(1.0, want_lp.abs().max().item())
-    bound = 4 * eps(torch.float64) * scale * cancel
-    assert rel_err(out.loss, want) <= bound
-    for got, ref_grad in zip(grads, want_grads, strict=True):
-        assert rel_err(got, ref_grad) <= bound
-    # The sums themselves: a few eps of each log-probability, added up.
-    assert rel_err(out.logprob_sum, want_lp) <= 16 * eps(torch.float64)
+    want, want_grads, want_lp, _ = _reference(d, name, torch.float64, shift)
+    wanted = [want, *want_grads, want_lp]
+    spread = _formula_spread(d, name, shift, wanted)
+    # House rule: 3 eps, or the package's error within twice the plain float64 formula's
+    # own error; against the formula (itself off by that error) that is three times it.
+    # The formula's error is its measured spread: each sequence sum carries a few eps of
+    # |L|, which objectives that exponentiate a log-ratio turn into a relative error of
+    # that size (forward KL: 31-34 eps, package and formula alike; the package at most
+    # 2.2 times the spread over every case, path and shift).
+    for got, w, s in zip([out.loss, *grads, out.logprob_sum], wanted, spread, strict=True):
+        assert rel_err(got, w) <= 3 * max(eps(torch.float64), s)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ import linear_ce.objectives as obj
 import sequence_formula as ref
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
+from linear_ce.engine.gemm import NativeHalf
 from linear_ce.engine.plan import DIRECT_SUM_MAX_CHUNKS, make_plan
 from linear_ce.ops.sequence_objective import GROUP_BUDGET_FACTOR, _no_direct_sum_overflow
 
@@ -244,6 +245,45 @@ def test_low_precision_within_twice_the_plain_error(dtype, path):
     assert rel_err(out.loss, want) <= max(floor, 2 * rel_err(plain, want))
     for got, w, p in zip(grads, want_grads, plain_grads, strict=True):
         assert got.dtype == dtype
+        assert rel_err(got, w) <= max(floor, 2 * rel_err(p, w))
+
+
+@pytest.mark.parametrize(
+    ("transform", "bias", "entropy"),
+    [("identity", False, False), ("all", True, True), ("all", False, False)],
+)
+def test_half_tile_in_two_sweeps(transform, bias, entropy, monkeypatch):
+    """bf16 on a CPU with native bf16 GEMMs: the fused path keeps each chunk's logits in a
+    half tile, in steps of 5 rows (``LINEAR_CE_STEP_ROWS``) over chunks of at most 24
+    scored tokens: every chunk's steps are swept twice (statistics, then gradients once
+    the chunk's pairs are evaluated), at three GEMMs; against the float64 formula within
+    the bound of the fp32 tile's path."""
+    import linear_ce.ops.sequence_objective as op
+
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(make_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(op, "make_plan", spy)
+    monkeypatch.setenv("LINEAR_CE_STEP_ROWS", "5")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
+    d = _data(14, "random")
+    opts = dict(transform=transform, bias=bias, entropy=entropy)
+    with ref.GemmWork() as work:
+        out, grads = _call(d, "padded", torch.bfloat16, options=PATHS["chunks"][0], **opts)
+    plan = plans[0]
+    if not isinstance(plan.gemm, NativeHalf):
+        pytest.skip("no native bf16 GEMMs on this CPU: no half tile")
+    assert (plan.rows_per_step, plan.rows_per_chunk) == (5, 24)
+    want, want_grads, _, want_n = _reference(d, **opts)
+    plain, plain_grads, _, _ = _reference(d, torch.bfloat16, **opts)
+    assert work.passes(int(want_n.sum()), V, FEAT) == 3.0
+    # As test_low_precision_within_twice_the_plain_error.
+    floor = 4 * eps(torch.bfloat16)
+    assert rel_err(out.loss, want) <= max(floor, 2 * rel_err(plain, want))
+    for got, w, p in zip(grads, want_grads, plain_grads, strict=True):
         assert rel_err(got, w) <= max(floor, 2 * rel_err(p, w))
 
 

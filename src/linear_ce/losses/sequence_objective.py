@@ -306,7 +306,15 @@ class SequenceEvaluation:
 
 class SequenceHead(TokenLogprobHead):
     """The token log-probability head whose upstream gradients come from ``evaluation`` on
-    each of ``chunks`` (the loop's chunks, visited in their order, at position 0)."""
+    each of ``chunks`` (the loop's chunks, visited in their order, at position 0).
+
+    A chunk's rows may come a step at a time (a half tile's first sweep,
+    :mod:`linear_ce.engine.chunk_loop`): the objective is evaluated once the chunk's last
+    row is done, and its gradients are kept per row for ``grad_tile`` (the second sweep,
+    a step at a time)."""
+
+    #: The objective needs every sequence of a chunk before any row's gradient is known.
+    grads_after_chunk = True
 
     def __init__(
         self,
@@ -330,19 +338,49 @@ class SequenceHead(TokenLogprobHead):
             outputs=TokenOutputs(entropy=entropy),
             num_classes=num_classes,
         )
-        self.evaluation, self.chunks, self.visited = evaluation, chunks, 0
+        self.evaluation, self.chunks, self.visited, self.rows_seen = evaluation, chunks, 0, 0
+        # Each row's upstream gradients, written as its chunk is evaluated.
+        self.grad_logprob = torch.zeros_like(self.logprob)
+        self.grad_entropy = torch.zeros_like(self.logprob) if self.entropy_on else None
+        self.flows = (False, False)
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         super().rows_done(rows, p, stats)
         chunk = self.chunks[self.visited]
-        if chunk.size != chunk_size(rows):
+        self.rows_seen += chunk_size(rows)
+        if self.rows_seen > chunk.size:
             raise RuntimeError(
-                "SequenceHead: the loop visited a chunk other than the planned one (a half "
-                "tile splits chunks; plan the sequence head with half_tile=False)"
+                "SequenceHead: the loop went past the planned chunk's rows (chunks must be "
+                "the planned chunks of whole groups)"
             )
-        self.visited += 1
-        entropy = self.entropy[rows, p] if self.entropy_on else None
-        self.chunk_grads = self.evaluation(chunk, rows, self.logprob[rows, p], entropy)
+        if self.rows_seen < chunk.size:
+            return
+        self.visited, self.rows_seen = self.visited + 1, 0
+        whole = chunk.rows
+        entropy = self.entropy[whole, 0] if self.entropy_on else None
+        g, h = self.evaluation(chunk, whole, self.logprob[whole, 0], entropy)
+        self.flows = (g is not None, h is not None)
+        if g is not None:
+            self.grad_logprob[whole, 0] = g
+        if h is not None:
+            self.grad_entropy[whole, 0] = h
+
+    def grad_tile(
+        self, u: torch.Tensor, e: torch.Tensor, rows: RowChunk, p: int, stats: RowStats, factor
+    ) -> torch.Tensor:
+        # The rows' own target columns and entropy mean: with two sweeps the last step of
+        # the first sweep left its own (TokenLogprobHead keeps them from sums_before_exp
+        # and rows_done).
+        local_t = self.target[rows, p] - self.start
+        self.owned = (local_t >= 0) & (local_t < self.local)
+        self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
+        if self.entropy_on:
+            self.row_mean_u = stats.sums[:, self.slot["dot"]] / stats.sum_exp
+        return super().grad_tile(u, e, rows, p, stats, factor)
 
     def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.chunk_grads
+        g_on, h_on = self.flows
+        return (
+            self.grad_logprob[rows, p] if g_on else None,
+            self.grad_entropy[rows, p] if h_on else None,
+        )

@@ -1,12 +1,14 @@
 r"""The autograd of :func:`linear_ce.sequence_objective`: one pass, gradients in forward.
 
 Where every group of sequences fits a chunk (``plan.rows_per_chunk`` scored tokens, grown
-up to ``GROUP_BUDGET_FACTOR`` times the budget for the longest group; the plan is
-made without a half tile, whose steps would hand the head part of a chunk), the
-chunk loop runs once over chunks of whole groups
+up to ``GROUP_BUDGET_FACTOR`` times the budget for the longest group), the chunk loop runs
+once over chunks of whole groups
 (:meth:`~linear_ce.engine.sequence_layout.SequenceLayout.chunks`) with
 :class:`~linear_ce.losses.sequence_objective.SequenceHead`: per chunk the logits GEMM, the
-objective and its gradient, the two gradient GEMMs — three GEMMs per training step.
+objective and its gradient, the two gradient GEMMs — three GEMMs per training step. With
+native half GEMMs on a CPU the chunk's logits live in a half tile as for the other heads,
+in two sweeps of its steps (the objective needs the whole chunk before any gradient:
+:mod:`linear_ce.engine.chunk_loop`).
 
 Where one group has more scored tokens than even that chunk may hold, the call takes the
 four-GEMM path: the loop computes every token's log-probability and row statistics (one
@@ -29,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from linear_ce.checks.call import Call
 from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
+from linear_ce.engine.gemm import NativeHalf
 from linear_ce.engine.machine import memory_budget
 from linear_ce.engine.plan import (
     BUDGET_SHARE,
@@ -98,9 +101,9 @@ def _no_direct_sum_overflow(plan: Plan, chunks: int) -> Plan:
 
 def _share(input: torch.Tensor, acc: torch.dtype) -> float:
     """The budget rule's share for this call's loop: half inputs with fp32 math on a CPU
-    hold fp32 tile rows against half gradients (no half tile here: its steps would hand the
-    head part of a chunk), so they take ``HALF_CPU_BUDGET_SHARE``, as the block-upcast path
-    does; otherwise ``BUDGET_SHARE``."""
+    take ``HALF_CPU_BUDGET_SHARE``, as the half tile and the block-upcast path do (and the
+    fp32 tile of a CPU whose half GEMMs are not taken, against half gradients); otherwise
+    ``BUDGET_SHARE``."""
     half = input.dtype in HALF_DTYPES
     if half and acc == torch.float32 and input.device.type == "cpu":
         return HALF_CPU_BUDGET_SHARE
@@ -122,13 +125,20 @@ def _plan(input: torch.Tensor, spec: SequenceSpec, tiles: int, **kwargs) -> Plan
     )
 
 
+def _half_tile(input: torch.Tensor, plan: Plan) -> bool:
+    """Whether the loop may hold this plan's chunks in a half tile (as
+    :func:`~linear_ce.engine.plan.make_plan` decides with ``half_tile=True``)."""
+    return isinstance(plan.gemm, NativeHalf) and input.device.type == "cpu"
+
+
 def _group_rows(
     input: torch.Tensor, spec: SequenceSpec, plan: Plan, tiles: int, share: float
 ) -> int:
     """The most rows a chunk may grow to for a group under the budget rule: ``tiles`` tiles
-    within ``GROUP_BUDGET_FACTOR × share`` of the gradients' bytes (scaled as the plan's
-    budget by ``LINEAR_CE_MEMORY_BUDGET``), by memory alone (not the machine's choice of
-    the fastest chunk); ``plan.rows_per_chunk`` under ``batch_chunk_size`` or another rule."""
+    (or one half tile) within ``GROUP_BUDGET_FACTOR × share`` of the gradients' bytes (scaled
+    as the plan's budget by ``LINEAR_CE_MEMORY_BUDGET``), by memory alone (not the machine's
+    choice of the fastest chunk); ``plan.rows_per_chunk`` under ``batch_chunk_size`` or
+    another rule."""
     method, divisor = parse_chunking_method(spec.options.chunking_method)
     if spec.options.batch_chunk_size is not None or method not in ("auto", "budget"):
         return plan.rows_per_chunk
@@ -136,7 +146,10 @@ def _group_rows(
     classes = spec.vocab.plan_classes
     share = GROUP_BUDGET_FACTOR * share * (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
     grad_bytes = (rows + classes) * in_features * input.dtype.itemsize
-    row_bytes = classes * plan.acc_dtype.itemsize * tiles
+    if _half_tile(input, plan):
+        row_bytes = classes * input.dtype.itemsize
+    else:
+        row_bytes = classes * plan.acc_dtype.itemsize * tiles
     return max(plan.rows_per_chunk, int(share * grad_bytes / divisor) // max(row_bytes, 1))
 
 
@@ -145,11 +158,12 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
     call, layout = spec.call, spec.layout
     tiles = tiles_for(spec.entropy, call.transform, any(spec.needs))
     share = _share(input, acc)
-    plan = _plan(input, spec, tiles, share=share, half_tile=False)
+    plan = _plan(input, spec, tiles, share=share)
     longest = layout.max_group_tokens
     if plan.rows_per_chunk < longest <= _group_rows(input, spec, plan, tiles, share):
-        # Chunks just long enough for the longest group.
-        plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=longest)
+        # Chunks just long enough for the longest group (a half tile keeps its steps).
+        step = plan.rows_per_step if _half_tile(input, plan) else longest
+        plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=step)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
         return None
