@@ -94,7 +94,14 @@ def check_distillation(
         caller.fail(f"{caller.arg('input')} must be a Tensor, got {type(input).__name__}")
     if target is None:
         target = torch.zeros(input.shape[:-1], dtype=torch.long, device=input.device)
-    return beta, hard_weight, head._replace(target=target)
+    # Field by field: torch 2.6's Dynamo traces neither head._replace nor a slice of it.
+    return (
+        beta,
+        hard_weight,
+        HeadArguments(
+            input, head.linear_weight, target, head.linear_bias, head.ignore_index, head.shift
+        ),
+    )
 
 
 def check_teacher(
@@ -102,7 +109,7 @@ def check_teacher(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The teacher's tensors, checked against the student's ``call`` and reshaped to rows:
     ``(N, F_t)``, ``(V, 1, F_t)``, ``(V, 1)``; detached (the teacher gets no gradient)."""
-    teacher_input, teacher_weight, teacher_bias = teacher[:3]
+    teacher_input, teacher_weight, teacher_bias = teacher.input, teacher.weight, teacher.bias
 
     def fail(message: str):
         raise ValueError(f"{name}: {message}")
