@@ -41,13 +41,17 @@ test: $(STAMP)
 MATRIX_DIR ?= .venv-matrix
 MATRIX ?= 2.6.0:4.46.3:3.10 2.11.0:4.57.6:3.11 2.14.1:5.24.0:3.11
 MATRIX_ENVS := $(subst :,-,$(MATRIX))
+# pip arguments of a row's first install: PyPI's torch wheels are CUDA builds (several GB);
+# `--find-links DIR` with a downloaded CPU wheel (torch==X is met by X+cpu), or an index
+# of CPU builds, installs the CPU build instead.
+MATRIX_PIP_ARGS ?=
 MATRIX_PYTEST_ARGS ?= -q -p no:cacheprovider
 pin = $(word $(2),$(subst -, ,$(1)))
 
 $(MATRIX_DIR)/%/.installed: pyproject.toml
 	test -x $(@D)/bin/python || PYENV_VERSION=$(call pin,$*,3) python$(call pin,$*,3) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip
-	$(@D)/bin/python -m pip install -q "torch==$(call pin,$*,1)" "transformers==$(call pin,$*,2)" -e ".[dev]"
+	$(@D)/bin/python -m pip install -q $(MATRIX_PIP_ARGS) "torch==$(call pin,$*,1)" "transformers==$(call pin,$*,2)" -e ".[dev]"
 	touch $@
 
 test-matrix:
