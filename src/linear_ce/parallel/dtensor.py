@@ -614,7 +614,14 @@ def _on_mesh(
         denominator = roles.mean(local, runner.num_classes)
         local["reduction"] = "sum"
     bound.arguments.update(local)
-    result = runner.function(*bound.args, **bound.kwargs, **runner.keywords)
+    try:
+        result = runner.function(*bound.args, **bound.kwargs, **runner.keywords)
+    except (TypeError, ValueError) as error:
+        # The vocab-parallel front checks the call under its own name; the user called name.
+        front = f"{runner.function.__name__}: "
+        if runner.function is function or not str(error).startswith(front):
+            raise
+        raise type(error)(f"{name}: {str(error).removeprefix(front)}") from error
     outputs = _reduce_scalars(_outputs(result), layout, denominator)
     input_shape = tuple(arguments[input_arg].shape)
     return _rebuild(
