@@ -485,3 +485,47 @@ def test_vocab_parallel_without_a_process_group_names_the_function(function, mon
         "weight that is not sharded",
     ):
         call(_w(), **LAYOUT)
+
+
+def _sharded(tensor):
+    """``tensor`` as a DTensor sharded along the vocabulary on a one-process mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(tensor, init_device_mesh("cpu", (1,)), [Shard(0)])
+
+
+# name -> the call, from its (DTensor) head, of a public function that takes DTensors
+DTENSOR = {
+    "linear_cross_entropy": lambda w, **kw: linear_ce.linear_cross_entropy(
+        _x(), w, _target(), **kw
+    ),
+    "token_logprobs": lambda w, **kw: linear_ce.token_logprobs(_x(), w, _target(), **kw),
+    "token_objective": lambda w, **kw: linear_ce.token_objective(
+        _x(), w, _target(), _objective, **kw
+    ),
+    "sequence_objective": lambda w, **kw: linear_ce.sequence_objective(
+        _x()[None], w, _target()[None], lambda batch: -batch.logprob_sum, **kw
+    ),
+    "linear_divergence": lambda w, **kw: linear_ce.linear_divergence(
+        _x(), w, torch.randn(N, FT), _sharded(torch.randn(V, FT)), _target(), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"temperature": 0.0}, r"temperature must be a finite float > 0, got 0.0"),
+        ({"options": {}}, r"options must be a linear_ce.LinearCrossEntropyOptions or None"),
+    ],
+    ids=["temperature", "options"],
+)
+@pytest.mark.parametrize("function", list(DTENSOR))
+def test_dtensor_call_errors_name_the_function_called(function, change, message, group_for):
+    """A DTensor head runs the function's vocab-parallel front, whose checks report under
+    the function the user called (they said vocab_parallel_<function>)."""
+    group_for("vocab_parallel_linear_cross_entropy")
+    error = TypeError if "options" in change else ValueError
+    with pytest.raises(error, match=f"^{function}: {message}"):
+        DTENSOR[function](_sharded(_w()), **change)
