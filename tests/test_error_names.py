@@ -75,6 +75,26 @@ def _divergence(fn, **fixed):
     return call
 
 
+def _sequence_objective(batch):
+    return -batch.logprob_sum
+
+
+# The sequence objective's rows as two packed sequences of three tokens.
+PACKED = {"cu_seqlens": torch.tensor([0, N // 2, N])}
+
+
+def _sparse(fn, **fixed):
+    """The sparse divergence with a stored teacher's two slots per position and ``target``
+    as hard labels."""
+
+    def call(input, linear_weight, target, **kwargs):
+        ids = torch.tensor([[0, 1]] * N)
+        logprobs = torch.tensor([[0.5, 0.25]] * N).log()
+        return fn(input, linear_weight, ids, logprobs, target, hard_weight=0.5, **fixed, **kwargs)
+
+    return call
+
+
 # name -> (the call, taking the single-head arguments; the function's own name for each
 # argument; the function, whose signature says which cases apply; needs a process group)
 FUNCTIONS = {
@@ -108,6 +128,30 @@ FUNCTIONS = {
         STUDENT,
         linear_ce.linear_divergence,
         False,
+    ),
+    "sequence_objective": (
+        _single_head(linear_ce.sequence_objective, _sequence_objective, **PACKED),
+        {},
+        linear_ce.sequence_objective,
+        False,
+    ),
+    "sparse_divergence": (
+        _sparse(linear_ce.sparse_divergence),
+        {},
+        linear_ce.sparse_divergence,
+        False,
+    ),
+    "vocab_parallel_sequence_objective": (
+        _single_head(vocab_parallel_sequence_objective, _sequence_objective, **PACKED, **LAYOUT),
+        {},
+        vocab_parallel_sequence_objective,
+        True,
+    ),
+    "vocab_parallel_sparse_divergence": (
+        _sparse(vocab_parallel_sparse_divergence, **LAYOUT),
+        {},
+        vocab_parallel_sparse_divergence,
+        True,
     ),
     "vocab_parallel_linear_cross_entropy": (
         _single_head(vocab_parallel_linear_cross_entropy, **LAYOUT),
@@ -221,6 +265,13 @@ CASES = {
 }
 
 
+# (function, case) -> the message where the function meets the mistake in a check of its
+# own first: the sparse divergence compares its teacher's slots with the input's device.
+OWN_MESSAGES = {
+    ("sparse_divergence", "input on another device"): r"target_ids is on cpu, the input on meta",
+}
+
+
 def _accepts(fn, labels, changes) -> bool:
     """Whether ``fn`` takes every keyword of ``changes`` (under its own name for it)."""
     params = inspect.signature(fn).parameters
@@ -262,6 +313,7 @@ def group_for(tmp_path_factory):
 def test_error_names_function_and_argument(function, case, group_for):
     call, labels, _, _ = FUNCTIONS[function]
     changes, error, message = CASES[case]
+    message = OWN_MESSAGES.get((function.removeprefix("vocab_parallel_"), case), message)
     group_for(function)
     names = {k: labels.get(k, k) for k in ("input", "linear_weight", "linear_bias", "softcap")}
     names["logit_scale"] = labels.get("logit_scale", "logit_scale")
