@@ -372,9 +372,11 @@ def run_head(
     needs: Needs,
     companion: Companion | None = None,
     grad_scale: torch.Tensor | None = None,
+    share: float | None = None,
 ) -> Gradients:
     """:func:`run_chunks` on the plan of ``head`` (its tiles, ``vocab.plan_classes``
-    classes): the gradients ``needs`` asks for (times ``grad_scale``), the input's summed
+    classes, the budget's ``share`` of the gradients' bytes, ``None``: the plan's
+    default): the gradients ``needs`` asks for (times ``grad_scale``), the input's summed
     over the vocabulary's shards."""
     rows, in_features = input.shape
     plan = make_plan(
@@ -385,6 +387,7 @@ def run_head(
         input.device,
         options,
         tiles=tiles_for(head.keeps_logits, transform, any(needs), companion is not None),
+        share=share,
         half_tile=companion is None,
     )
     grads = run_chunks(
