@@ -25,7 +25,10 @@ not cached: the process takes the fallback below. The choices:
 - **rows per chunk** (:meth:`Tuning.rows`): the smallest candidate whose three GEMMs run
   within ``TOLERANCE`` of the best rate measured among the candidates the budget allows
   (the budget's own rows where that is the largest candidate under them): no memory is
-  spent on longer chunks that run no faster. fp32/fp64 inputs; half inputs keep the
+  spent on longer chunks that run no faster. Under the default budget a one-tile loop's
+  candidates go up to ``linear_ce.engine.plan.MEASURED_STRETCH`` times it (at most half
+  the gradients' bytes), as far as the call pays for measuring them: longer chunks are
+  taken only where they measured faster. fp32/fp64 inputs; half inputs keep the
   budget's longest chunks, since their weight-gradient sum pays a pass per chunk.
 - **tile layout** (:meth:`Tuning.class_major`): class-major (a ``(V, B)`` array used as its
   transpose, so the logits GEMM is ``W·xᵀ``), or row-major where that ran the three GEMMs
@@ -64,10 +67,11 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   rates in this process only.
 - ``LINEAR_CE_MEMORY_BUDGET``: the share of the gradients' bytes the chunk loop's scratch
   may take for fp32 inputs (default ``0.25``, ``linear_ce.engine.plan.BUDGET_SHARE``: a training
-  step's transient peak ≈ 1.25× the gradients); every other budget of the plan (half
-  inputs, the vocabulary pass, distillation's teacher) scales with it.
+  step's transient peak ≈ 1.25× the gradients, which a measured plan may stretch to 0.5,
+  ≈ 1.5×, where longer chunks run faster); set, it is a hard cap, and every other budget
+  of the plan (half inputs, the vocabulary pass, distillation's teacher) scales with it.
 - ``LINEAR_CE_CHUNK_ROWS``: a number of rows forces the rows-per-chunk choice (at most
-  the budget's rows, as a measured choice would be); ``auto`` or unset: measured.
+  the budget's rows, unstretched); ``auto`` or unset: measured.
 - ``LINEAR_CE_TILE_LAYOUT``: ``class-major`` or ``row-major`` forces the layout, the
   vocabulary pass's too; ``auto`` or unset: measured (the vocabulary pass: the backend's).
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
@@ -744,22 +748,27 @@ class Tuning:
         """Whether choices among chunks of up to ``cap`` rows are measured for this call."""
         return self.allowed and worth_measuring(self.flops, self.features, cap)
 
-    def rows(self, cap: int) -> int:
-        """Rows per chunk for a budget of ``cap`` rows: ``LINEAR_CE_CHUNK_ROWS`` (at most
-        ``cap``), else the smallest candidate within ``TOLERANCE`` of the best rate under
-        ``cap`` (``cap`` itself where that is the largest candidate under it), else ``cap``."""
+    def rows(self, cap: int, wide: int | None = None) -> int:
+        """Rows per chunk for a budget of ``cap`` rows that may stretch to ``wide`` where
+        longer chunks run faster: ``LINEAR_CE_CHUNK_ROWS`` (at most ``cap``), else the
+        smallest candidate within ``TOLERANCE`` of the best rate among those up to the
+        most rows (at most ``wide``, at least ``cap``) whose measurement the call pays for
+        (those most rows themselves where that is the largest candidate), else ``cap``."""
         forced = _forced_rows()
         if forced is not None:
             return min(forced, cap)
-        candidates = [b for b in CANDIDATE_ROWS if b <= cap]
-        if len(candidates) < 2 or not self.measures(cap):
+        wide = max(cap, wide or cap)
+        above = [b for b in CANDIDATE_ROWS if cap < b < wide]
+        limit = next((b for b in [wide, *reversed(above)] if self.measures(b)), cap)
+        candidates = [b for b in CANDIDATE_ROWS if b <= limit]
+        if len(candidates) < 2 or not self.measures(limit):
             return cap
         best = self._best_by_rows(candidates)
         if best is None:
             return cap
         top = max(best.values())
         chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
-        return cap if chosen == candidates[-1] else chosen
+        return limit if chosen == candidates[-1] else chosen
 
     def forced_class_major(self) -> bool | None:
         """The layout ``LINEAR_CE_TILE_LAYOUT`` forces (``True``: class-major), else

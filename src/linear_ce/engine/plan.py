@@ -22,6 +22,7 @@ __all__ = [
     "DIRECT_SUM_MAX_CHUNKS",
     "DIVERGENCE_SHARE",
     "HALF_CPU_BUDGET_SHARE",
+    "MEASURED_STRETCH",
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
     "ROW_MULTIPLE",
@@ -45,6 +46,14 @@ ROW_MULTIPLE = 32
 #: (:mod:`linear_ce.engine.machine`); ``LINEAR_CE_MEMORY_BUDGET`` sets another share, and every
 #: share below scales with it.
 BUDGET_SHARE = 0.25
+#: Where this machine's GEMMs are measured, a one-tile chunk loop under the default budget
+#: (no ``LINEAR_CE_MEMORY_BUDGET``) may take up to this multiple of ``BUDGET_SHARE`` (0.5 of
+#: the gradients' bytes: a step's peak ≈ 1.5× them) if longer chunks measured faster: each
+#: chunk's weight-gradient GEMM reads and writes the whole ``(V, F)`` sum, so short chunks
+#: pay per chunk. A 2-core Sapphire Rapids measured 384-row chunks 6% faster than 256-row
+#: ones and took 352-row chunks at N=2048, D=1024, V=32768 (fp32 step 1.04× its floor
+#: against 1.08×, 1.3× the gradients' bytes against 1.23×); the fixed rule keeps the budget.
+MEASURED_STRETCH = 2.0
 #: The share of the student's gradient bytes the two (or three) logits tiles of a
 #: distillation call (:mod:`linear_ce.ops.divergence`) may take: with the gradients
 #: themselves and the blocked scratch the call stays within 1.5× of them. At D=1024,
@@ -142,7 +151,8 @@ def choose_chunk_rows(
     acc_dtype: torch.dtype,
     tiles: int = 1,
     share: float = BUDGET_SHARE,
-    pick: Callable[[int], int] | None = None,
+    pick: Callable[[int, int], int] | None = None,
+    stretch: float = 1.0,
 ) -> int:
     """Rows per chunk, by the documented rule of ``options.chunking_method``.
 
@@ -151,9 +161,10 @@ def choose_chunk_rows(
     (default ``BUDGET_SHARE``) of the gradients' bytes
     ``(rows + V)·F·itemsize``, rounded down to a multiple of ``ROW_MULTIPLE``;
     never fewer than ``MIN_EFFICIENT_ROWS`` rows (GEMM efficiency), never more
-    than ``rows``; ``pick`` (the machine's choice, :meth:`linear_ce.engine.machine.Tuning.rows`)
-    may take fewer; then evened out over the same number of chunks (each rounded up to a
-    multiple of ``ROW_MULTIPLE``, within the budget).
+    than ``rows``; ``pick`` (the machine's choice, :meth:`linear_ce.engine.machine.Tuning.rows`,
+    given those rows and the rows of ``stretch`` times the budget) may take fewer, or more up
+    to the stretched budget's; then evened out over the same number of chunks (each rounded up
+    to a multiple of ``ROW_MULTIPLE``, within the budget).
     ``"aspect_ratio[:N]"``: torch's rule, ``next_pow2(ceil(rows / ceil(V / F))) / N``.
     """
     if rows == 0:
@@ -172,7 +183,9 @@ def choose_chunk_rows(
     budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
     chunk = _budgeted_rows(budget_rows, rows, divisor)
     if pick is not None:
-        chunk = max(1, min(pick(chunk), chunk))
+        wide_rows = int(stretch * share * grad_bytes / divisor) // max(row_bytes, 1)
+        wide = max(chunk, _budgeted_rows(wide_rows, rows, divisor))
+        chunk = max(1, min(pick(chunk, wide), wide))
     return _evened(chunk, rows)
 
 
@@ -309,8 +322,10 @@ def make_plan(
 
     The machine's choices (:mod:`linear_ce.engine.machine`, measured or the fixed fallback): the
     native half GEMMs the CPU's flags promise are taken where they run faster than fp32;
-    fp32/fp64 chunks are the smallest within the budget that run the GEMMs at full rate
-    (half inputs keep the budget's longest: their weight-gradient sum pays per chunk); the
+    fp32/fp64 chunks are the smallest within the budget that run the GEMMs at full rate,
+    where one tile under the default budget may take up to ``MEASURED_STRETCH`` times it
+    if that runs them faster (half inputs keep the budget's longest: their weight-gradient
+    sum pays per chunk); the
     logits tile takes the layout the GEMMs run faster in; a half tile's fp32 math takes
     the step of rows it runs fastest in; the vocabulary pass's fewest classes per block are
     those its GEMMs reach full rate at.
@@ -350,6 +365,8 @@ def make_plan(
         gemm = Upcast(acc_dtype)
     exp2 = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
     half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
+    # The default budget of a one-tile loop, which the machine's measurement may stretch.
+    stretch = MEASURED_STRETCH if share is None and tiles == 1 and memory_budget() is None else 1.0
     if share is None:
         share = HALF_CPU_BUDGET_SHARE if isinstance(gemm, BlockUpcast) or half else BUDGET_SHARE
     scale = (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
@@ -402,6 +419,7 @@ def make_plan(
                 tile_count,
                 share,
                 pick,
+                stretch,
             )
 
         rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
