@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import linear_ce
+from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.distributed import (
     vocab_parallel_linear_cross_entropy,
@@ -581,3 +582,29 @@ def test_dtensor_call_errors_name_the_function_called(function, change, message,
     error = TypeError if "options" in change else ValueError
     with pytest.raises(error, match=f"^{function}: {message}"):
         DTENSOR[function](_sharded(_w()), **change)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 0, 3])
+@pytest.mark.parametrize("function", ["linear_divergence", "sparse_divergence"])
+def test_distillation_without_target_counts_every_position(function, ignore_index):
+    """Without a target every position counts, whatever ``ignore_index`` (0 ignored them
+    all: a NaN mean). Forward KL in float64 against the plain formula: the loop's rounding
+    over the vocabulary's sums only (16 eps, as the divergence's own float64 tests)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, F_, generator=g, dtype=torch.float64)
+    w = torch.randn(V, F_, generator=g, dtype=torch.float64)
+    log_p = torch.log_softmax(x @ w.T, -1)
+    if function == "linear_divergence":
+        xt = torch.randn(N, FT, generator=g, dtype=torch.float64)
+        wt = torch.randn(V, FT, generator=g, dtype=torch.float64)
+        got = linear_ce.linear_divergence(x, w, xt, wt, None, ignore_index=ignore_index)
+        log_q = torch.log_softmax(xt @ wt.T, -1)
+        plain = (log_q.exp() * (log_q - log_p)).sum(-1).mean()
+    else:
+        ids, logprobs = _teacher_slots()
+        got = linear_ce.sparse_divergence(
+            x, w, ids, logprobs.double(), None, ignore_index=ignore_index
+        )
+        log_q = torch.log_softmax(logprobs.double(), -1)  # renormalised over the two slots
+        plain = (log_q.exp() * (log_q - log_p.gather(-1, ids))).sum(-1).mean()
+    assert rel_err(got, plain) <= 16 * eps(torch.float64)

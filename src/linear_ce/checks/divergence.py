@@ -67,7 +67,7 @@ def check_distillation(
     """The scalars every distillation call shares: ``beta`` in ``[0, 1]``, a finite
     ``hard_weight >= 0`` (``> 0`` needs a ``target``), a reduction; ``(beta, hard_weight)``
     as floats, and the student's ``head`` with its target: where none is given, class 0
-    at every position (every position counts). The student's input is a tensor (its
+    at every position, none of them ignored (every position counts). The student's input is a tensor (its
     batch shape is the target's)."""
     beta, hard_weight, reduction = distillation
     target = head.target
@@ -92,14 +92,19 @@ def check_distillation(
     input = head.input
     if not isinstance(input, torch.Tensor):
         caller.fail(f"{caller.arg('input')} must be a Tensor, got {type(input).__name__}")
+    ignore_index = head.ignore_index
     if target is None:
         target = torch.zeros(input.shape[:-1], dtype=torch.long, device=input.device)
+        if type(ignore_index) is int and ignore_index == 0:
+            # Without a target ignore_index marks nothing; as 0 it would ignore every
+            # position of this stand-in target (a NaN mean) instead.
+            ignore_index = -1
     # Field by field: torch 2.6's Dynamo traces neither head._replace nor a slice of it.
     return (
         beta,
         hard_weight,
         HeadArguments(
-            input, head.linear_weight, target, head.linear_bias, head.ignore_index, head.shift
+            input, head.linear_weight, target, head.linear_bias, ignore_index, head.shift
         ),
     )
 
