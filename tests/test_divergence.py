@@ -591,6 +591,46 @@ def test_bad_inputs(change, message):
         linear_ce.linear_divergence(**_bad(**change))
 
 
+@pytest.mark.parametrize("share", [None, 0.9])
+def test_chunks_take_the_distillation_share(monkeypatch, share):
+    """The chunk rule lets a distillation call's logits tiles (student, teacher and the
+    student's exponentials: three) take up to ``DIVERGENCE_SHARE`` (0.4) of the student's
+    gradients' bytes, more than the cross-entropy's ``BUDGET_SHARE`` (docs/distillation.md);
+    the constant decides it (0.9 patched in: longer chunks). Fixed-rule plan, no override,
+    at a size where the budget, not the 128-row floor, sets the chunk."""
+    import linear_ce.engine.chunk_loop as chunk_loop
+    import linear_ce.ops.divergence as ops_divergence
+    from linear_ce.engine.plan import BUDGET_SHARE, DIVERGENCE_SHARE
+
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    for name in ("LINEAR_CE_MEMORY_BUDGET", "LINEAR_CE_CHUNK_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    if share is not None:
+        monkeypatch.setattr(ops_divergence, "DIVERGENCE_SHARE", share)
+    allowed, below = (
+        (DIVERGENCE_SHARE, BUDGET_SHARE) if share is None else (share, DIVERGENCE_SHARE)
+    )
+    plans = []
+    run_chunks = chunk_loop.run_chunks
+
+    def spy(*args, **kwargs):
+        plans.append(args[5])
+        return run_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_loop, "run_chunks", spy)
+    n, d, v = 1024, 1024, 2048
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(n, d, generator=g, requires_grad=True)
+    ws = (torch.randn(v, d, generator=g) / 32).requires_grad_()
+    xt, wt = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / 32
+    t = torch.randint(0, v, (n,), generator=g)
+    linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=0.5).backward()
+    (plan,) = plans
+    grad_bytes = (n + v) * d * 4
+    tiles_bytes = 3 * plan.rows_per_chunk * v * 4
+    assert below * grad_bytes < tiles_bytes <= allowed * grad_bytes, plan.rows_per_chunk
+
+
 def test_transient_memory_within_student_gradients():
     """fp32 mean forward+backward stays within 1.5× the student's gradients' bytes (at a
     hidden size where the chunk rule, not its 128-row floor, sets the chunk)."""

@@ -150,6 +150,7 @@ def run_divergence(
         needs,
         teacher,
         grad_scale=grad_scale,
+        share=DIVERGENCE_SHARE,
     )
     loss = reduce_rows(head.loss, valid, args.reduction)
     entropy = head.entropy if args.entropy else input.new_empty((0,), dtype=acc)
