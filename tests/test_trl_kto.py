@@ -66,7 +66,7 @@ def routed(monkeypatch):
     return calls
 
 
-def _trainer(tmp_path, **config):
+def _trainer(tmp_path, ref_scale=4.0, **config):
     args = trl.KTOConfig(**{**_common(tmp_path), "per_device_train_batch_size": 6, **config})
     data = Dataset.from_dict(
         {
@@ -76,8 +76,8 @@ def _trainer(tmp_path, **config):
         }
     )
     ref_model = _llama(seed=1)
-    with torch.no_grad():  # a sharper reference: a positive KL estimate, unclamped
-        ref_model.lm_head.weight.mul_(4.0)
+    with torch.no_grad():  # 4: a sharper reference, a positive KL estimate, unclamped
+        ref_model.lm_head.weight.mul_(ref_scale)
     return trl.KTOTrainer(
         model=_llama(),
         ref_model=ref_model,
@@ -135,8 +135,16 @@ def _float64(trainer, inputs) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _compare(tmp_path, routed, expect_route: bool, return_outputs=False, options=None, **config):
-    trainer = _trainer(tmp_path, **config)
+def _compare(
+    tmp_path,
+    routed,
+    expect_route: bool,
+    return_outputs=False,
+    options=None,
+    ref_scale=4.0,
+    **config,
+):
+    trainer = _trainer(tmp_path, ref_scale, **config)
     trainer.model.train()
     inputs = next(iter(trainer.get_train_dataloader()))
     loss, grads, metrics = _step(trainer, inputs, return_outputs)
@@ -186,6 +194,15 @@ def test_routed_kto_in_many_chunks(tmp_path, routed):
     options = LinearCrossEntropyOptions(batch_chunk_size=4, chunking_method=None)
     metrics = _compare(tmp_path, routed, True, options=options)
     assert metrics["kl"] > 0
+
+
+def test_routed_kto_clamps_a_negative_kl_estimate(tmp_path, routed):
+    """A uniform reference (its head zeroed): on this batch the policy's summed
+    log-probabilities of the mismatched completions are below the uniform ones (as Jensen's
+    inequality has it on average), a negative KL estimate that TRL clamps to 0, and so must
+    the route (TRL's logged ``kl`` is exactly 0 only where it clamped)."""
+    metrics = _compare(tmp_path, routed, True, ref_scale=0.0)
+    assert metrics["kl"] == 0.0
 
 
 def test_return_outputs_stays_trls(tmp_path, routed):
