@@ -83,6 +83,20 @@ def _floor(dtype: torch.dtype | None) -> Build:
     return build
 
 
+def _dropping_gradients(
+    call: Callable[[], None], x: torch.Tensor, w: torch.Tensor
+) -> Callable[[], None]:
+    """``call`` (a training step) with the ``reset`` that :func:`~linear_ce.bench.measure.measure`
+    runs first: the previous call's gradients of ``x`` and ``w`` are dropped before the
+    memory baseline is read."""
+
+    def reset():
+        x.grad = w.grad = None
+
+    call.reset = reset
+    return call
+
+
 def _upstream(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed random upstream gradients of the per-token log-probability and entropy."""
     gen = torch.Generator().manual_seed(1)
@@ -133,11 +147,7 @@ def _train_logprobs(fn) -> Build:
             lp, ent = fn(x, w, t)
             ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_h.to(ent.dtype)).sum()).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
@@ -177,11 +187,7 @@ def _objective(kind: str) -> Build:
                 lp, _ = _plain_logprobs(x, w, t)
             _surrogate(lp, **side).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
@@ -238,11 +244,7 @@ def _divergence(kind: str) -> Build:
             else:
                 _plain_forward_kl(x, w, xt, wt, t).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
@@ -308,11 +310,7 @@ def _dpo(kind: str) -> Build:
                 lp, _ = _plain_logprobs(x, w, flat)
             _dpo_loss(lp.reshape(rows.shape).to(ref.dtype).sum(1), ref).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
@@ -353,11 +351,7 @@ def _sparse(kind: str) -> Build:
             log_q = torch.zeros_like(log_p).scatter_(1, ids[valid], q.log())
             ((dense * (log_q - log_p)).sum() / valid.sum()).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
@@ -381,12 +375,7 @@ def _train(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.T
         def call():
             loss_fn(x, w, t).backward()
 
-        def reset():
-            x.grad = w.grad = None
-
-        # The previous call's gradients are dropped before the memory baseline is read.
-        call.reset = reset
-        return call
+        return _dropping_gradients(call, x, w)
 
     return build
 
