@@ -170,6 +170,17 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _transform(
+    temperature: float, logit_scale: float, final_logit_softcapping: float | None
+) -> dict[str, float | None]:
+    """TRL's logits transform as ``linear_ce``'s keyword arguments."""
+    return {
+        "temperature": float(temperature),
+        "logit_scale": float(logit_scale),
+        "softcap": None if final_logit_softcapping is None else float(final_logit_softcapping),
+    }
+
+
 class TokenLogprobsFunction(torch.autograd.Function):
     """TRL's ``ChunkedLogProbFunction`` (same arguments, same five outputs) computed by
     :func:`linear_ce.token_logprobs`; ``options`` (last argument) chunking and precision.
@@ -194,11 +205,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(hidden, weight)
-        transform = {
-            "temperature": float(temperature),
-            "logit_scale": float(logit_scale),
-            "softcap": None if final_logit_softcapping is None else float(final_logit_softcapping),
-        }
+        transform = _transform(temperature, logit_scale, final_logit_softcapping)
         with torch.autocast(hidden.device.type, enabled=False):
             out, row_stats = token_logprobs_and_stats(
                 hidden.to(dtype),
@@ -269,13 +276,7 @@ class _FusedHead:
             bias,
             targets,
             _compute_dtype(hidden, weight),
-            {
-                "temperature": float(temperature),
-                "logit_scale": float(logit_scale),
-                "softcap": None
-                if final_logit_softcapping is None
-                else float(final_logit_softcapping),
-            },
+            _transform(temperature, logit_scale, final_logit_softcapping),
         )
         if routed is not None:  # the policy forward of a DPO step on linear_ce's DPO loss
             return routed
