@@ -82,6 +82,17 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _head(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One head's hidden states, weight and bias, whole (:func:`_whole`) and in the dtype
+    it runs in (:func:`_compute_dtype`)."""
+    weight = _whole(weight)
+    dtype = _compute_dtype(hidden, weight)
+    bias = _whole(bias)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def chunked_divergence_loss(
     student_hidden_states: torch.Tensor,
     teacher_hidden_states: torch.Tensor,
@@ -109,22 +120,34 @@ def chunked_divergence_loss(
         _gathered(student_lm_head_weight, student_lm_head_bias),
         _gathered(teacher_lm_head_weight, teacher_lm_head_bias),
     ):
-        total, entropy, n_valid = _summed(
-            student_hidden_states,
-            teacher_hidden_states,
-            student_lm_head_weight,
-            teacher_lm_head_weight,
-            completion_mask,
-            beta,
-            student_lm_head_bias,
-            teacher_lm_head_bias,
-            student_logit_scale,
-            teacher_logit_scale,
-            student_final_logit_softcapping,
-            teacher_final_logit_softcapping,
-            temperature,
-            options,
+        student, student_weight, student_bias = _head(
+            student_hidden_states, student_lm_head_weight, student_lm_head_bias
         )
+        teacher, teacher_weight, teacher_bias = _head(
+            teacher_hidden_states, teacher_lm_head_weight, teacher_lm_head_bias
+        )
+        valid = completion_mask != 0
+        marks = torch.where(valid, 0, _IGNORE).to(torch.long)
+        with torch.autocast(student_hidden_states.device.type, enabled=False):
+            total, entropy = linear_divergence(
+                student,
+                student_weight,
+                teacher,
+                teacher_weight,
+                marks,
+                student_bias=student_bias,
+                teacher_bias=teacher_bias,
+                beta=float(beta),
+                temperature=float(temperature),
+                student_logit_scale=float(student_logit_scale),
+                teacher_logit_scale=float(teacher_logit_scale),
+                student_softcap=student_final_logit_softcapping,
+                teacher_softcap=teacher_final_logit_softcapping,
+                reduction="sum",
+                return_entropy=True,
+                options=options,
+            )
+    n_valid = valid.sum()
     if num_items_in_batch is None:
         loss = total / n_valid.clamp(min=1)
     else:
@@ -132,51 +155,3 @@ def chunked_divergence_loss(
             num_items_in_batch = num_items_in_batch.to(total.device)
         loss = total / num_items_in_batch
     return loss, entropy.sum(), n_valid
-
-
-def _summed(
-    student_hidden_states,
-    teacher_hidden_states,
-    student_lm_head_weight,
-    teacher_lm_head_weight,
-    completion_mask,
-    beta,
-    student_lm_head_bias,
-    teacher_lm_head_bias,
-    student_logit_scale,
-    teacher_logit_scale,
-    student_final_logit_softcapping,
-    teacher_final_logit_softcapping,
-    temperature,
-    options,
-):
-    student_weight = _whole(student_lm_head_weight)
-    teacher_weight = _whole(teacher_lm_head_weight)
-    s_dtype = _compute_dtype(student_hidden_states, student_weight)
-    t_dtype = _compute_dtype(teacher_hidden_states, teacher_weight)
-    student_weight = student_weight.to(s_dtype)
-    teacher_weight = teacher_weight.to(t_dtype)
-    student_bias = _whole(student_lm_head_bias)
-    teacher_bias = _whole(teacher_lm_head_bias)
-    valid = completion_mask != 0
-    marks = torch.where(valid, 0, _IGNORE).to(torch.long)
-    with torch.autocast(student_hidden_states.device.type, enabled=False):
-        total, entropy = linear_divergence(
-            student_hidden_states.to(s_dtype),
-            student_weight,
-            teacher_hidden_states.to(t_dtype),
-            teacher_weight,
-            marks,
-            student_bias=None if student_bias is None else student_bias.to(s_dtype),
-            teacher_bias=None if teacher_bias is None else teacher_bias.to(t_dtype),
-            beta=float(beta),
-            temperature=float(temperature),
-            student_logit_scale=float(student_logit_scale),
-            teacher_logit_scale=float(teacher_logit_scale),
-            student_softcap=student_final_logit_softcapping,
-            teacher_softcap=teacher_final_logit_softcapping,
-            reduction="sum",
-            return_entropy=True,
-            options=options,
-        )
-    return total, entropy, valid.sum()
