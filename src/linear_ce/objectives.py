@@ -364,7 +364,8 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-_DPO_LOSSES = (
+#: The loss types :func:`dpo` takes: TRL 1.16's but the batch-wide ``aot`` and ``aot_unpaired``.
+DPO_LOSSES = (
     "sigmoid",
     "hinge",
     "ipo",
@@ -456,7 +457,7 @@ def dpo(
             f"dpo: loss_type {loss_type!r} sorts the log-ratios across the whole batch, so "
             "it is not a loss of each pair; compute it from token_logprobs instead"
         )
-    _check_choice(owner, "loss_type", loss_type, _DPO_LOSSES)
+    _check_choice(owner, "loss_type", loss_type, DPO_LOSSES)
     _check_choice(owner, "f_divergence", f_divergence, _F_DIVERGENCES)
     _check_float(owner, "beta", beta)
     _check_float(owner, "label_smoothing", label_smoothing, low=0.0)

@@ -109,7 +109,13 @@ import torch
 from linear_ce.integrations.trl_distillation import DIVERGENCE_LOSS_ARGS, chunked_divergence_loss
 from linear_ce.integrations.trl_grpo import GRPO_MODULE, GRPOLoss, check_grpo_loss
 from linear_ce.integrations.trl_kto import KTO_MODULE, KTOLoss, check_kto_loss
-from linear_ce.integrations.trl_sequence import DPO_MODULE, DPOLoss, check_dpo_loss, routed_head
+from linear_ce.integrations.trl_sequence import (
+    DPO_MODULE,
+    DPOLoss,
+    TrainerLoss,
+    check_dpo_loss,
+    routed_head,
+)
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.token_logprobs import token_logprobs_and_stats, token_logprobs_vjp
 
@@ -487,7 +493,7 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
         owner, attribute = _owner(swap.module, swap.name)
         replacement = swap.make(options)
         original = getattr(owner, attribute)
-        if isinstance(replacement, (DPOLoss, GRPOLoss, KTOLoss)):
+        if isinstance(replacement, TrainerLoss):
             replacement.original = original  # the calls it leaves on TRL's route
         _originals[swap.module, swap.name] = original
         _installed[swap.module, swap.name] = replacement

@@ -43,14 +43,18 @@ in the head's dtype.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from linear_ce.integrations.trl_sequence import PolicyCall, answering, code_constants
+from linear_ce.integrations.trl_sequence import (
+    PolicyCall,
+    TrainerLoss,
+    answering,
+    code_constants,
+)
 from linear_ce.objectives import SequenceBatch, SequenceObjective, gspo
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -192,23 +196,48 @@ def _weight_sums(batch: SequenceBatch) -> torch.Tensor:
     return batch.length
 
 
-class GRPOLoss:
-    """Stands in for ``GRPOTrainer._compute_loss`` (a method: bound through ``__get__``)."""
+class GRPOLoss(TrainerLoss):
+    """Stands in for ``GRPOTrainer._compute_loss``."""
 
-    def __init__(self, options: LinearCrossEntropyOptions | None, original: Any = None) -> None:
-        self.options = options
-        self.original = original
-
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
-        if trainer is None:
-            return self
-        return lambda model, inputs: self(trainer, model, inputs)
+    MODULE = GRPO_MODULE
+    TRAINER = "GRPOTrainer"
+    PARAMETERS = ("self", "model", "inputs")
 
     def __call__(self, trainer: Any, model: Any, inputs: dict) -> Any:
         surrogate = _surrogate(trainer) if _routable(trainer, inputs) else None
         if surrogate is None or not bool(_loss_mask(inputs).any()):
             return self.original(trainer, model, inputs)
         return _routed_loss(trainer, model, inputs, surrogate, self.options)
+
+    @staticmethod
+    def check_trainer(trainer: type, current: Any) -> str | None:
+        forward = getattr(trainer, "_get_per_token_logps_and_entropies", None)
+        wanted = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
+        if forward is None:
+            return "GRPOTrainer._get_per_token_logps_and_entropies is missing"
+        forward_params = tuple(inspect.signature(forward).parameters)
+        missing = [
+            p
+            for p in (*wanted, "compute_entropy", "compute_aux_loss", *_FORWARD_INPUTS)
+            if p not in forward_params
+        ]
+        if forward_params[: len(wanted)] != wanted or missing:
+            return f"GRPOTrainer._get_per_token_logps_and_entropies takes {forward_params}"
+        if "fused_lm_head" not in code_constants(inspect.unwrap(forward)):
+            return (
+                "GRPOTrainer._get_per_token_logps_and_entropies no longer calls the fused LM head"
+            )
+        assigned = set(trainer.__init__.__code__.co_names)
+        missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
+        if missing:
+            return f"GRPOTrainer.__init__ no longer sets {', '.join(missing)}"
+        code = current.__code__
+        missing = [name for name in _LOSS_READS if name not in code.co_names]
+        known = code_constants(current)
+        missing += [name for name in _LOSS_CONSTANTS if name not in known]
+        if missing:
+            return f"GRPOTrainer._compute_loss no longer reads {', '.join(missing)}"
+        return None
 
 
 def _loss_mask(inputs: dict) -> torch.Tensor:
@@ -459,38 +488,5 @@ def _log(trainer, mode, inputs, logprob_sum, present, lengths, tokens, sums) -> 
     metrics["clip_ratio/high_max"].append(accelerator.gather(high.float()).max().item())
 
 
-def check_grpo_loss(current: object) -> str | None:
-    """What differs from TRL 1.16's ``GRPOTrainer`` in what :class:`GRPOLoss` relies on."""
-    if isinstance(current, GRPOLoss):
-        return None
-    trainer = getattr(importlib.import_module(GRPO_MODULE), "GRPOTrainer", None)
-    if trainer is None:
-        return f"{GRPO_MODULE}.GRPOTrainer is missing"
-    params = tuple(inspect.signature(current).parameters) if callable(current) else ()
-    if params != ("self", "model", "inputs"):
-        return f"GRPOTrainer._compute_loss takes {params}, not (self, model, inputs)"
-    forward = getattr(trainer, "_get_per_token_logps_and_entropies", None)
-    wanted = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
-    if forward is None:
-        return "GRPOTrainer._get_per_token_logps_and_entropies is missing"
-    forward_params = tuple(inspect.signature(forward).parameters)
-    missing = [
-        p
-        for p in (*wanted, "compute_entropy", "compute_aux_loss", *_FORWARD_INPUTS)
-        if p not in forward_params
-    ]
-    if forward_params[: len(wanted)] != wanted or missing:
-        return f"GRPOTrainer._get_per_token_logps_and_entropies takes {forward_params}"
-    if "fused_lm_head" not in code_constants(inspect.unwrap(forward)):
-        return "GRPOTrainer._get_per_token_logps_and_entropies no longer calls the fused LM head"
-    assigned = set(trainer.__init__.__code__.co_names)
-    missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
-    if missing:
-        return f"GRPOTrainer.__init__ no longer sets {', '.join(missing)}"
-    code = current.__code__
-    missing = [name for name in _LOSS_READS if name not in code.co_names]
-    known = code_constants(current)
-    missing += [name for name in _LOSS_CONSTANTS if name not in known]
-    if missing:
-        return f"GRPOTrainer._compute_loss no longer reads {', '.join(missing)}"
-    return None
+#: What differs from TRL 1.16's ``GRPOTrainer`` in what :class:`GRPOLoss` relies on.
+check_grpo_loss = GRPOLoss.check

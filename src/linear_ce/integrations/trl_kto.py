@@ -27,13 +27,17 @@ dtype.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 import torch
 
-from linear_ce.integrations.trl_sequence import PolicyCall, answering, code_constants
+from linear_ce.integrations.trl_sequence import (
+    PolicyCall,
+    TrainerLoss,
+    answering,
+    code_constants,
+)
 from linear_ce.objectives import SequenceBatch, SequenceObjective, kto
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -87,17 +91,11 @@ def _objective(trainer: Any) -> SequenceObjective | None:
         return None  # a setting TRL accepts and kto() refuses: TRL's own loss
 
 
-class KTOLoss:
-    """Stands in for ``KTOTrainer._compute_loss`` (a method: bound through ``__get__``)."""
+class KTOLoss(TrainerLoss):
+    """Stands in for ``KTOTrainer._compute_loss``."""
 
-    def __init__(self, options: LinearCrossEntropyOptions | None, original: Any = None) -> None:
-        self.options = options
-        self.original = original
-
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
-        if trainer is None:
-            return self
-        return lambda model, inputs, return_outputs: self(trainer, model, inputs, return_outputs)
+    MODULE = KTO_MODULE
+    TRAINER = "KTOTrainer"
 
     def __call__(self, trainer: Any, model: Any, inputs: dict, return_outputs: bool) -> Any:
         objective = None if return_outputs else _objective(trainer)
@@ -106,6 +104,25 @@ class KTOLoss:
         if objective is None or not text_only or not bool(scored.any(1).all()):
             return self.original(trainer, model, inputs, return_outputs)
         return _routed_loss(trainer, model, inputs, objective, self.options)
+
+    @staticmethod
+    def check_trainer(trainer: type, current: Any) -> str | None:
+        for name, wanted in (
+            ("compute_ref_log_probs", ("self", "model", "inputs")),
+            ("_compute_kl_logps", ("self", "model", "batch")),
+        ):
+            method = getattr(trainer, name, None)
+            if method is None or tuple(inspect.signature(method).parameters) != wanted:
+                return f"KTOTrainer.{name}({', '.join(wanted)}) is missing"
+        assigned = set(trainer.__init__.__code__.co_names)
+        missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
+        if missing:
+            return f"KTOTrainer.__init__ no longer sets {', '.join(missing)}"
+        missing = [name for name in _LOSS_READS if name not in current.__code__.co_names]
+        missing += [name for name in _LOSS_CONSTANTS if name not in code_constants(current)]
+        if missing:
+            return f"KTOTrainer._compute_loss no longer reads {', '.join(missing)}"
+        return None
 
 
 def _reference(trainer: Any, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -196,29 +213,5 @@ def _log(trainer, mode, batch, logps, ref, label, entropy_sum) -> None:
         )
 
 
-def check_kto_loss(current: object) -> str | None:
-    """What differs from TRL 1.16's ``KTOTrainer`` in what :class:`KTOLoss` relies on."""
-    if isinstance(current, KTOLoss):
-        return None
-    trainer = getattr(importlib.import_module(KTO_MODULE), "KTOTrainer", None)
-    if trainer is None:
-        return f"{KTO_MODULE}.KTOTrainer is missing"
-    params = tuple(inspect.signature(current).parameters) if callable(current) else ()
-    if params != ("self", "model", "inputs", "return_outputs"):
-        return f"KTOTrainer._compute_loss takes {params}, not (self, model, inputs, return_outputs)"
-    for name, wanted in (
-        ("compute_ref_log_probs", ("self", "model", "inputs")),
-        ("_compute_kl_logps", ("self", "model", "batch")),
-    ):
-        method = getattr(trainer, name, None)
-        if method is None or tuple(inspect.signature(method).parameters) != wanted:
-            return f"KTOTrainer.{name}({', '.join(wanted)}) is missing"
-    assigned = set(trainer.__init__.__code__.co_names)
-    missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
-    if missing:
-        return f"KTOTrainer.__init__ no longer sets {', '.join(missing)}"
-    missing = [name for name in _LOSS_READS if name not in current.__code__.co_names]
-    missing += [name for name in _LOSS_CONSTANTS if name not in code_constants(current)]
-    if missing:
-        return f"KTOTrainer._compute_loss no longer reads {', '.join(missing)}"
-    return None
+#: What differs from TRL 1.16's ``KTOTrainer`` in what :class:`KTOLoss` relies on.
+check_kto_loss = KTOLoss.check

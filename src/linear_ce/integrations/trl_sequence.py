@@ -33,14 +33,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from linear_ce.objectives import SequenceObjective, dpo
+from linear_ce.objectives import DPO_LOSSES, SequenceObjective, dpo
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.sequence_objective import SequenceObjectiveOutput, sequence_objective
 
@@ -48,6 +49,7 @@ __all__ = [
     "DPO_ROUTED_LOSSES",
     "DPOLoss",
     "PolicyCall",
+    "TrainerLoss",
     "answering",
     "check_dpo_loss",
     "code_constants",
@@ -56,22 +58,9 @@ __all__ = [
 
 DPO_MODULE = "trl.trainer.dpo_trainer"
 
-#: TRL 1.16's DPO loss types this route computes (the others run TRL's own loss).
-DPO_ROUTED_LOSSES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
+#: TRL 1.16's DPO loss types this route computes (the others run TRL's own loss): those
+#: of :func:`linear_ce.objectives.dpo`.
+DPO_ROUTED_LOSSES = DPO_LOSSES
 # The loss types whose TRL formula reads label_smoothing (the others ignore it).
 _SMOOTHED = ("exo_pair", "robust")
 _NOT_MODEL_INPUTS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
@@ -179,6 +168,48 @@ def routed_head(
     return zeros, zeros, None, None, None
 
 
+class TrainerLoss:
+    """Stands in for a TRL trainer's ``_compute_loss`` (a method: bound through
+    ``__get__``, so a call gets the trainer first). ``original`` is TRL's method, which
+    runs the calls the route leaves to TRL. A subclass names the trainer (``MODULE``,
+    ``TRAINER``), the method's parameters it keeps (``PARAMETERS``) and checks the rest of
+    what it relies on (:meth:`check_trainer`)."""
+
+    MODULE: ClassVar[str]
+    TRAINER: ClassVar[str]
+    PARAMETERS: ClassVar[tuple[str, ...]] = ("self", "model", "inputs", "return_outputs")
+
+    def __init__(self, options: LinearCrossEntropyOptions | None, original: Any = None) -> None:
+        self.options = options
+        self.original = original
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return functools.partial(self, trainer)
+
+    @classmethod
+    def check(cls, current: object) -> str | None:
+        """What differs from TRL 1.16's trainer in what the stand-in relies on (``None``:
+        nothing); ``current`` is the trainer's ``_compute_loss`` now."""
+        if isinstance(current, cls):
+            return None
+        trainer = getattr(importlib.import_module(cls.MODULE), cls.TRAINER, None)
+        if trainer is None:
+            return f"{cls.MODULE}.{cls.TRAINER} is missing"
+        params = tuple(inspect.signature(current).parameters) if callable(current) else ()
+        if params != cls.PARAMETERS:
+            wanted = ", ".join(cls.PARAMETERS)
+            return f"{cls.TRAINER}._compute_loss takes {params}, not ({wanted})"
+        return cls.check_trainer(trainer, current)
+
+    @staticmethod
+    def check_trainer(trainer: type, current: Any) -> str | None:
+        """What differs in the trainer class (``trainer``) and in TRL's ``_compute_loss``
+        (``current``, of the expected parameters) beyond what :meth:`check` reads."""
+        raise NotImplementedError
+
+
 def _objective(trainer: Any) -> SequenceObjective | None:
     """The trainer's loss as a sequence objective, or ``None`` where TRL's route stays."""
     types = list(trainer.loss_types)
@@ -208,17 +239,11 @@ def _objective(trainer: Any) -> SequenceObjective | None:
     return total
 
 
-class DPOLoss:
-    """Stands in for ``DPOTrainer._compute_loss`` (a method: bound through ``__get__``)."""
+class DPOLoss(TrainerLoss):
+    """Stands in for ``DPOTrainer._compute_loss``."""
 
-    def __init__(self, options: LinearCrossEntropyOptions | None, original: Any = None) -> None:
-        self.options = options
-        self.original = original
-
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
-        if trainer is None:
-            return self
-        return lambda model, inputs, return_outputs: self(trainer, model, inputs, return_outputs)
+    MODULE = DPO_MODULE
+    TRAINER = "DPOTrainer"
 
     def __call__(self, trainer: Any, model: Any, inputs: dict, return_outputs: bool) -> Any:
         completion_mask = inputs["completion_mask"]
@@ -227,6 +252,21 @@ class DPOLoss:
         if objective is None or not bool(scored.any(1).all()):
             return self.original(trainer, model, inputs, return_outputs)
         return _routed_loss(trainer, model, inputs, objective, scored, self.options)
+
+    @staticmethod
+    def check_trainer(trainer: type, current: Any) -> str | None:
+        ref = getattr(trainer, "compute_ref_log_probs", None)
+        if ref is None or tuple(inspect.signature(ref).parameters) != ("self", "model", "inputs"):
+            return "DPOTrainer.compute_ref_log_probs(self, model, inputs) is missing"
+        assigned = set(trainer.__init__.__code__.co_names)
+        missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
+        if missing:
+            return f"DPOTrainer.__init__ no longer sets {', '.join(missing)}"
+        known = {c for c in current.__code__.co_consts if isinstance(c, str)}
+        unknown = [loss for loss in DPO_ROUTED_LOSSES if loss not in known]
+        if unknown:
+            return f"DPOTrainer._compute_loss no longer computes the loss types {unknown}"
+        return None
 
 
 def _ref_logprob(trainer: Any, inputs: dict) -> torch.Tensor:
@@ -320,26 +360,5 @@ def code_constants(function: Any) -> set[str]:
     return names
 
 
-def check_dpo_loss(current: object) -> str | None:
-    """What differs from TRL 1.16's ``DPOTrainer`` in what :class:`DPOLoss` relies on."""
-    if isinstance(current, DPOLoss):
-        return None
-    module = importlib.import_module(DPO_MODULE)
-    trainer = getattr(module, "DPOTrainer", None)
-    if trainer is None:
-        return f"{DPO_MODULE}.DPOTrainer is missing"
-    params = tuple(inspect.signature(current).parameters) if callable(current) else ()
-    if params != ("self", "model", "inputs", "return_outputs"):
-        return f"DPOTrainer._compute_loss takes {params}, not (self, model, inputs, return_outputs)"
-    ref = getattr(trainer, "compute_ref_log_probs", None)
-    if ref is None or tuple(inspect.signature(ref).parameters) != ("self", "model", "inputs"):
-        return "DPOTrainer.compute_ref_log_probs(self, model, inputs) is missing"
-    assigned = set(trainer.__init__.__code__.co_names)
-    missing = [name for name in _TRAINER_ATTRIBUTES if name not in assigned]
-    if missing:
-        return f"DPOTrainer.__init__ no longer sets {', '.join(missing)}"
-    known = {c for c in current.__code__.co_consts if isinstance(c, str)}
-    unknown = [loss for loss in DPO_ROUTED_LOSSES if loss not in known]
-    if unknown:
-        return f"DPOTrainer._compute_loss no longer computes the loss types {unknown}"
-    return None
+#: What differs from TRL 1.16's ``DPOTrainer`` in what :class:`DPOLoss` relies on.
+check_dpo_loss = DPOLoss.check
