@@ -39,6 +39,12 @@ TEMPERATURE = 0.8
 # ratios exp(-offset) of about 0.55, 0.9, 1.1 and 1.65, far from the clip bounds 0.8 / 1.2
 # (fp32 rounding cannot move one across), so both sides clip and both pass.
 OFFSETS = (0.6, 0.1, -0.1, -0.5)
+# Advantages of both signs; of the two sequences at each clipped ratio (rows 0 and 4 low,
+# 3 and 7 high), one of each sign.
+ADVANTAGES = (1.0, -1.0, 0.5, -0.7, -1.2, 0.9, -0.3, 1.4)
+# Both low-ratio sequences negative, both high-ratio ones positive: each side's clip count
+# differs from the count on the advantages of the other sign (2 of 8 against 0).
+ONE_SIDED = (-1.0, -1.0, 0.5, 0.7, -1.2, 0.9, -0.3, 1.4)
 
 
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
@@ -123,6 +129,7 @@ def _batch(
     sampling=False,
     vllm=None,
     measured_entropy=None,
+    advantages=ADVANTAGES,
 ):
     """A batch TRL generated, with advantages of both signs and, unless ``on_policy``, old
     log-probabilities giving the ratios of ``OFFSETS``; reference log-probabilities nearby."""
@@ -140,7 +147,7 @@ def _batch(
         inputs["tool_mask"][0, 1] = 0
         inputs["tool_mask"][5, 0] = 0
     generator = torch.Generator().manual_seed(0)
-    inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.7, -1.2, 0.9, -0.3, 1.4])[:rows]
+    inputs["advantages"] = torch.tensor(advantages)[:rows]
     token, _ = _logprobs(copy.deepcopy(trainer.model).double(), inputs, grad=False)
     offsets = torch.tensor(OFFSETS, dtype=torch.float64).repeat(rows)[:rows, None]
     inputs["old_per_token_logps"] = None if on_policy else (token + offsets).float()
@@ -300,6 +307,7 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
             {"loss_type": "bnpo", "off_policy_mask_threshold": 0.3},
         ),
         (0.0, {"tool_mask": True, "empty": True}, {"loss_type": "cispo", "epsilon_high": 1.3}),
+        (0.0, {"advantages": ONE_SIDED}, {}),
     ],
     ids=[
         "grpo",
@@ -318,6 +326,7 @@ def _compare(tmp_path, routed, expect_route: bool, beta=0.0, batch=None, options
         "cispo-vllm_sequence_is",
         "bnpo-kl-opsm_sampling-empty",
         "cispo-tool_mask-empty",
+        "grpo-one_sided_clips",
     ],
 )
 def test_routed_gspo_matches_trl(tmp_path, routed, beta, batch, config):
