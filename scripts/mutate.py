@@ -718,8 +718,8 @@ _TRL_MUTATIONS: tuple[Mutation, ...] = (
         _TRL,
         (
             (
-                'transform = {\n            "temperature": float(temperature),',
-                'transform = {\n            "temperature": 1.0,',
+                'return {\n        "temperature": float(temperature),',
+                'return {\n        "temperature": 1.0,',
             ),
         ),
         ("tests/test_trl.py", "-k", "kernel_call_matches_trl"),
