@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from linear_ce.integrations.trl_sequence import (
+    REFERENCE_TRAINER_ATTRIBUTES,
     PolicyCall,
     TrainerLoss,
-    answering,
     code_constants,
+    log_tokens,
+    policy_loss,
 )
 from linear_ce.objectives import SequenceBatch, SequenceObjective, kto
 from linear_ce.options import LinearCrossEntropyOptions
@@ -65,13 +67,7 @@ _TRAINER_ATTRIBUTES = (
     "desirable_weight",
     "undesirable_weight",
     "calculate_KL",
-    "precompute_ref_logps",
-    "ref_model",
-    "aux_loss_enabled",
-    "router_aux_loss_coef",
-    "_metrics",
-    "_total_train_tokens",
-    "_tp_size",
+    *REFERENCE_TRAINER_ATTRIBUTES,
 )
 _LOSS_READS = ("_compute_kl_logps", "calculate_KL", "desirable_weight", "undesirable_weight")
 _LOSS_CONSTANTS = ("label", "ref_logps", "ref_KL_logps", "fused_lm_head", *_ROUTED_LOSSES)
@@ -168,21 +164,8 @@ def _routed_loss(
     scored = batch["completion_mask"][..., 1:].bool()
     rows = torch.arange(scored.shape[0], device=scored.device)[:, None].expand_as(scored)
     call = PolicyCall(logged, rows[scored], side, options, "KTO", group=None)
-
-    model_kwargs = {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS}
-    model_kwargs["use_cache"] = False
-    if trainer.aux_loss_enabled:
-        model_kwargs["output_router_logits"] = True
-    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with answering(call):
-        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
-    loss = call.result.loss
     trainer._metrics[mode]["kl"].append(kl.item())
-    if trainer.aux_loss_enabled:
-        loss = loss + trainer.router_aux_loss_coef * outputs.aux_loss
-        trainer._metrics[mode]["aux_loss"].append(
-            accelerator.gather_for_metrics(outputs.aux_loss).mean().item()
-        )
+    loss = policy_loss(trainer, model, batch, _NOT_MODEL_INPUTS, call, mode)
     _log(trainer, mode, batch, call.result.logprob_sum, ref, label, torch.stack(entropy).sum())
     return loss
 
@@ -193,10 +176,7 @@ def _log(trainer, mode, batch, logps, ref, label, entropy_sum) -> None:
     tokens = accelerator.gather_for_metrics(batch["completion_mask"][:, 1:].sum()).sum()
     entropy_sum = accelerator.gather_for_metrics(entropy_sum.to(torch.float32)).sum()
     metrics["entropy"].append((entropy_sum / tokens).item() if tokens > 0 else 0.0)
-    if mode == "train":
-        batch_tokens = accelerator.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
-        trainer._total_train_tokens += batch_tokens // trainer._tp_size
-    metrics["num_tokens"] = [trainer._total_train_tokens]
+    log_tokens(trainer, mode, batch["attention_mask"])
     logps = logps.to(ref.dtype)
     rewards = trainer.beta * (logps - ref)
     counts = {}

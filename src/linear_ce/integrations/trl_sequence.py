@@ -53,6 +53,8 @@ __all__ = [
     "answering",
     "check_dpo_loss",
     "code_constants",
+    "log_tokens",
+    "policy_loss",
     "routed_head",
 ]
 
@@ -64,6 +66,18 @@ DPO_ROUTED_LOSSES = DPO_LOSSES
 # The loss types whose TRL formula reads label_smoothing (the others ignore it).
 _SMOOTHED = ("exo_pair", "robust")
 _NOT_MODEL_INPUTS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+#: What a routed step against a reference (DPO, KTO) reads of its trainer besides its
+#: loss's settings, set by TRL 1.16's trainers' ``__init__``: the reference, MoE's
+#: auxiliary loss (:func:`policy_loss`), the metrics and the token count (:func:`log_tokens`).
+REFERENCE_TRAINER_ATTRIBUTES = (
+    "precompute_ref_logps",
+    "ref_model",
+    "aux_loss_enabled",
+    "router_aux_loss_coef",
+    "_metrics",
+    "_total_train_tokens",
+    "_tp_size",
+)
 # What the stand-in reads of the trainer: set by TRL 1.16's DPOTrainer.__init__.
 _TRAINER_ATTRIBUTES = (
     "beta",
@@ -74,13 +88,7 @@ _TRAINER_ATTRIBUTES = (
     "f_alpha_divergence_coef",
     "label_smoothing",
     "use_weighting",
-    "precompute_ref_logps",
-    "ref_model",
-    "aux_loss_enabled",
-    "router_aux_loss_coef",
-    "_metrics",
-    "_total_train_tokens",
-    "_tp_size",
+    *REFERENCE_TRAINER_ATTRIBUTES,
 )
 
 
@@ -166,6 +174,38 @@ def routed_head(
         )
     zeros = hidden.new_zeros(targets.shape, dtype=dtype)
     return zeros, zeros, None, None, None
+
+
+def policy_loss(
+    trainer: Any, model: Any, batch: dict, not_model_inputs: set[str], call: PolicyCall, mode: str
+) -> torch.Tensor:
+    """The policy forward of a routed step as TRL's ``_compute_loss`` runs it (the batch
+    but ``not_model_inputs``, no cache, the router logits where MoE's auxiliary loss is on,
+    the completion tokens as labels), its fused head answering ``call``: the call's loss,
+    plus MoE's auxiliary loss, logged as TRL logs it."""
+    model_kwargs = {k: v for k, v in batch.items() if k not in not_model_inputs}
+    model_kwargs["use_cache"] = False
+    if trainer.aux_loss_enabled:
+        model_kwargs["output_router_logits"] = True
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    with answering(call):
+        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
+    loss = call.result.loss
+    if trainer.aux_loss_enabled:
+        loss = loss + trainer.router_aux_loss_coef * outputs.aux_loss
+        trainer._metrics[mode]["aux_loss"].append(
+            trainer.accelerator.gather_for_metrics(outputs.aux_loss).mean().item()
+        )
+    return loss
+
+
+def log_tokens(trainer: Any, mode: str, attention_mask: torch.Tensor) -> None:
+    """TRL's ``num_tokens``: the training tokens so far, over processes (a tensor-parallel
+    group counted once), the batch's added in training."""
+    if mode == "train":
+        batch_tokens = trainer.accelerator.gather_for_metrics(attention_mask.sum()).sum().item()
+        trainer._total_train_tokens += batch_tokens // trainer._tp_size
+    trainer._metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
 
 
 class TrainerLoss:
@@ -288,12 +328,6 @@ def _routed_loss(
     options: LinearCrossEntropyOptions | None,
 ) -> torch.Tensor:
     mode = "train" if trainer.model.training else "eval"
-    accelerator = trainer.accelerator
-    model_kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
-    model_kwargs["use_cache"] = False
-    if trainer.aux_loss_enabled:
-        model_kwargs["output_router_logits"] = True
-    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
     ref = _ref_logprob(trainer, inputs)
 
     entropy = []
@@ -311,15 +345,9 @@ def _routed_loss(
         needs_entropy=True,
     )
     rows = torch.arange(scored.shape[0], device=scored.device)[:, None].expand_as(scored)
-    call = PolicyCall(logged, rows[scored].to(labels.device), {"ref_logprob": ref}, options, "DPO")
-    with answering(call):
-        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
-    loss = call.result.loss
-    if trainer.aux_loss_enabled:
-        loss = loss + trainer.router_aux_loss_coef * outputs.aux_loss
-        trainer._metrics[mode]["aux_loss"].append(
-            accelerator.gather_for_metrics(outputs.aux_loss).mean().item()
-        )
+    sequence = rows[scored].to(inputs["input_ids"].device)
+    call = PolicyCall(logged, sequence, {"ref_logprob": ref}, options, "DPO")
+    loss = policy_loss(trainer, model, inputs, _NOT_MODEL_INPUTS, call, mode)
     _log(trainer, mode, inputs, call.result, ref, torch.stack(entropy).sum(), scored)
     return loss
 
@@ -331,10 +359,7 @@ def _log(trainer, mode, inputs, result, ref, entropy_sum, scored) -> None:
     entropy_sum = accelerator.gather_for_metrics(entropy_sum.to(torch.float32)).sum()
     tokens = accelerator.gather_for_metrics(tokens).sum()
     metrics["entropy"].append((entropy_sum / tokens).item() if tokens > 0 else 0.0)
-    if mode == "train":
-        batch_tokens = accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-        trainer._total_train_tokens += batch_tokens // trainer._tp_size
-    metrics["num_tokens"] = [trainer._total_train_tokens]
+    log_tokens(trainer, mode, inputs["attention_mask"])
     logps = result.logprob_sum.to(ref.dtype)
     chosen_logps, rejected_logps = logps.chunk(2)
     ref_chosen, ref_rejected = ref.chunk(2)
