@@ -14,6 +14,7 @@ family's forward and backward bodies, the same ones its custom op runs, on any
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -23,12 +24,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 
 from linear_ce.engine.chunk_loop import Gradients, Needs
+from linear_ce.engine.vocab import Vocab
 from linear_ce.ops.schema import OpSchema
 
 __all__ = [
     "Forward",
+    "OnArguments",
     "OnVocab",
     "Run",
+    "fake_gradient_outputs",
     "gradient_outputs",
     "hand_over",
     "hand_over_gradients",
@@ -44,6 +48,17 @@ def gradient_outputs(grads: Gradients, like: torch.Tensor) -> tuple[torch.Tensor
     gradient that was not computed is an empty tensor."""
     return tuple(
         like.new_empty((0,)) if g is None else g for g in (grads.input, grads.weight, grads.bias)
+    )
+
+
+def fake_gradient_outputs(
+    input: torch.Tensor, weight: torch.Tensor, needs: Needs
+) -> tuple[torch.Tensor, ...]:
+    """The three gradient slots of an op's fake result: shaped like ``input``, ``weight``
+    and its bias (``weight.shape[:-1]``) where ``needs`` asks for them, else empty."""
+    shapes = (input.shape, weight.shape, weight.shape[:-1])
+    return tuple(
+        input.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True)
     )
 
 
@@ -202,6 +217,29 @@ class Run(Protocol):
         needs: Needs,
     ) -> Gradients:
         """The gradients ``needs`` asks for, from the upstream ``grad_outputs``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OnArguments:
+    """The part of a :class:`Run` that an op's arguments ``args`` (its schema's
+    ``NamedTuple``) give on ``vocab``: the hand-over's ``needs`` and
+    ``allow_retain_graph`` are the call's own, and :meth:`on` puts the tensors
+    :class:`OnVocab` passes in place of the call's."""
+
+    args: Any
+    vocab: Vocab
+
+    @property
+    def needs(self) -> Needs:
+        return self.args.needs
+
+    @property
+    def allow_retain_graph(self) -> bool:
+        return self.args.allow_retain_graph
+
+    def on(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fields):
+        """``args`` with these three tensors (and any other ``fields``) in their places."""
+        return self.args._replace(input=input, linear_weight=weight, linear_bias=bias, **fields)
 
 
 class OnVocab(torch.autograd.Function):

@@ -29,7 +29,9 @@ from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.divergence import DivergenceHead
 from linear_ce.ops.autograd import (
     Forward,
+    OnArguments,
     OnVocab,
+    fake_gradient_outputs,
     gradient_outputs,
     reduce_rows,
     register_by_reduction,
@@ -173,14 +175,10 @@ def _fake(args: DivergenceArguments) -> tuple[torch.Tensor, ...]:
     acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
     scalar = args.reduction != "none"
     needs = args.needs.when(scalar or args.grad_rows is not None)
-    grad_shapes = (input.shape, weight.shape, weight.shape[:-1])
     return (
         input.new_empty(() if scalar else target.shape, dtype=acc),
         input.new_empty(target.shape if args.entropy else (0,), dtype=acc),
-        *(
-            input.new_empty(shape if need else (0,))
-            for shape, need in zip(grad_shapes, needs, strict=True)
-        ),
+        *fake_gradient_outputs(input, weight, needs),
     )
 
 
@@ -192,31 +190,19 @@ register_by_reduction(divergence, SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True)
-class _OnShard:
+class _OnShard(OnArguments):
     """The distillation bodies on a vocabulary shard (:class:`~linear_ce.ops.autograd.Run`)."""
 
     args: DivergenceArguments
-    vocab: Vocab
-
-    @property
-    def needs(self) -> Needs:
-        return self.args.needs
-
-    @property
-    def allow_retain_graph(self) -> bool:
-        return self.args.allow_retain_graph
-
-    def _on(self, input, weight, bias, **fields) -> DivergenceArguments:
-        return self.args._replace(input=input, linear_weight=weight, linear_bias=bias, **fields)
 
     def forward(self, input, weight, bias) -> Forward:
-        loss, entropy, grads = run_divergence(self._on(input, weight, bias), self.vocab)
+        loss, entropy, grads = run_divergence(self.on(input, weight, bias), self.vocab)
         formed = grads if self.args.reduction != "none" else None
         return Forward((loss, entropy), formed, statistics=(1,))
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
         grad_rows = grad_outputs[0].contiguous()
-        args = self._on(input, weight, bias, grad_rows=grad_rows, entropy=False, needs=needs)
+        args = self.on(input, weight, bias, grad_rows=grad_rows, entropy=False, needs=needs)
         return run_divergence(args, self.vocab)[2]
 
 

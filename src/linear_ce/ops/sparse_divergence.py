@@ -29,7 +29,9 @@ from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.sparse_divergence import SparseDivergenceHead, sparse_teacher
 from linear_ce.ops.autograd import (
     Forward,
+    OnArguments,
     OnVocab,
+    fake_gradient_outputs,
     gradient_outputs,
     reduce_rows,
     register_by_reduction,
@@ -261,13 +263,9 @@ def _fake(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
     acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
     scalar = args.reduction != "none"
     needs = args.needs.when(scalar or args.grad_rows is not None)
-    grad_shapes = (input.shape, weight.shape, weight.shape[:-1])
     return (
         input.new_empty(() if scalar else args.target.shape, dtype=acc),
-        *(
-            input.new_empty(shape if need else (0,))
-            for shape, need in zip(grad_shapes, needs, strict=True)
-        ),
+        *fake_gradient_outputs(input, weight, needs),
     )
 
 
@@ -279,32 +277,20 @@ register_by_reduction(sparse_divergence_op, SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True)
-class _OnShard:
+class _OnShard(OnArguments):
     """The sparse distillation bodies on a vocabulary shard
     (:class:`~linear_ce.ops.autograd.Run`)."""
 
     args: SparseDivergenceArguments
-    vocab: Vocab
-
-    @property
-    def needs(self) -> Needs:
-        return self.args.needs
-
-    @property
-    def allow_retain_graph(self) -> bool:
-        return self.args.allow_retain_graph
-
-    def _on(self, input, weight, bias, **fields) -> SparseDivergenceArguments:
-        return self.args._replace(input=input, linear_weight=weight, linear_bias=bias, **fields)
 
     def forward(self, input, weight, bias) -> Forward:
-        loss, grads = run_sparse_divergence(self._on(input, weight, bias), self.vocab)
+        loss, grads = run_sparse_divergence(self.on(input, weight, bias), self.vocab)
         return Forward((loss,), grads if self.args.reduction != "none" else None)
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
         grad_rows = grad_outputs[0].contiguous()
         return run_sparse_divergence(
-            self._on(input, weight, bias, grad_rows=grad_rows, needs=needs), self.vocab
+            self.on(input, weight, bias, grad_rows=grad_rows, needs=needs), self.vocab
         )[1]
 
 
