@@ -197,9 +197,12 @@ _LOSS: tuple[Mutation, ...] = (
         "src/linear_ce/engine/gemm.py",
         (
             (
-                'half tile from :meth:`half_tile_buffer`."""\n        torch.mm(x, weight.T, out=out)',
                 'half tile from :meth:`half_tile_buffer`."""\n'
-                "        out.copy_(torch.mm(x.float(), weight.T.float()))",
+                "        if weight.is_contiguous():\n"
+                "            torch.mm(x, weight.T, out=out)\n",
+                'half tile from :meth:`half_tile_buffer`."""\n'
+                "        if weight.is_contiguous():\n"
+                "            out.copy_(torch.mm(x.float(), weight.T.float()))\n",
             ),
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
@@ -765,6 +768,186 @@ _TRL_MUTATIONS: tuple[Mutation, ...] = (
     ),
 )
 
+_TRL_DPO = "src/linear_ce/integrations/trl_sequence.py"
+_TRL_GRPO = "src/linear_ce/integrations/trl_grpo.py"
+_TRL_KTO = "src/linear_ce/integrations/trl_kto.py"
+
+_TRL_SEQUENCE: tuple[Mutation, ...] = (
+    Mutation(
+        "trl_sequence",
+        "DPO: the reference's chosen and rejected swapped",
+        _TRL_DPO,
+        (
+            (
+                "return torch.cat([chosen, rejected]).detach()",
+                "return torch.cat([rejected, chosen]).detach()",
+            ),
+        ),
+        ("tests/test_trl_sequence.py", "-k", "matches_trl and hinge"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "DPO: loss_weights dropped",
+        _TRL_DPO,
+        (("term = float(weight) * dpo(", "term = dpo("),),
+        ("tests/test_trl_sequence.py", "-k", "matches_trl and hinge"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "DPO: label smoothing applied to every loss type (TRL's sigmoid ignores it)",
+        _TRL_DPO,
+        (
+            (
+                "label_smoothing=float(trainer.label_smoothing) if loss_type in _SMOOTHED else 0.0,",
+                "label_smoothing=float(trainer.label_smoothing),",
+            ),
+        ),
+        ("tests/test_trl_sequence.py", "-k", "matches_trl and sigmoid and label_smoothing"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "DPO: logps/chosen logged from the rewards",
+        _TRL_DPO,
+        (
+            (
+                'metrics["logps/chosen"].append(accelerator.gather(chosen_logps)',
+                'metrics["logps/chosen"].append(accelerator.gather(chosen)',
+            ),
+        ),
+        ("tests/test_trl_sequence.py", "-k", "matches_trl and hinge"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: the KL estimate's log-ratio with its sign flipped",
+        _TRL_GRPO,
+        (
+            (
+                'log_ratio = batch.token_side["ref_logprob"] - batch.token_logprob',
+                'log_ratio = batch.token_logprob - batch.token_side["ref_logprob"]',
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "grpo-kl-delta"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: CISPO's capped ratio not detached",
+        _TRL_GRPO,
+        (
+            (
+                "weight = _ratio(batch).clamp(max=high).detach()",
+                "weight = _ratio(batch).clamp(max=high)",
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "cispo-tool_mask-empty"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: SAPO's temperatures swapped (positive for a negative advantage)",
+        _TRL_GRPO,
+        (
+            (
+                "tau = torch.where(advantage > 0, positive, negative).to(advantage.dtype)",
+                "tau = torch.where(advantage > 0, negative, positive).to(advantage.dtype)",
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "sapo-kl"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: the off-policy mask keeps the sequences that drifted",
+        _TRL_GRPO,
+        (
+            (
+                'kept = (batch.side["advantage"] >= 0) | (mean_gap <= threshold)',
+                'kept = (batch.side["advantage"] >= 0) | (mean_gap > threshold)',
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "grpo-opsm"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: vLLM's importance-sampling ratios dropped from the clipped surrogate",
+        _TRL_GRPO,
+        (
+            (
+                '        return batch.sum_tokens(batch.token_side["is_ratio"])\n',
+                "        return batch.length\n",
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "vllm_token_is"),
+        quick=True,
+    ),
+    Mutation(
+        "trl_sequence",
+        "GRPO: clip_ratio/low counted on positive advantages",
+        _TRL_GRPO,
+        (
+            (
+                "low = ((ratio < 1 - trainer.epsilon_low) & (advantages < 0))",
+                "low = ((ratio < 1 - trainer.epsilon_low) & (advantages > 0))",
+            ),
+        ),
+        ("tests/test_trl_grpo.py", "-k", "one_sided_clips"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "KTO: the batch's KL estimate dropped (reference point 0)",
+        _TRL_KTO,
+        (
+            (
+                'side["kl"] = kl.reshape(()).to(ref.dtype)',
+                'side["kl"] = torch.zeros_like(kl).reshape(()).to(ref.dtype)',
+            ),
+        ),
+        ("tests/test_trl_kto.py", "-k", "matches_trl and kto-weighted"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "KTO: a negative KL estimate not clamped to 0",
+        _TRL_KTO,
+        (
+            (
+                "kl = accelerator.gather_for_metrics(kl).mean().clamp(min=0)",
+                "kl = accelerator.gather_for_metrics(kl).mean()",
+            ),
+        ),
+        ("tests/test_trl_kto.py", "-k", "clamps_a_negative_kl"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "KTO: desirable and undesirable labels inverted",
+        _TRL_KTO,
+        (
+            (
+                'label = torch.as_tensor(batch["label"], dtype=torch.bool, device=device)',
+                'label = ~torch.as_tensor(batch["label"], dtype=torch.bool, device=device)',
+            ),
+        ),
+        ("tests/test_trl_kto.py", "-k", "matches_trl and apo_zero_unpaired"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "KTO: desirable and undesirable weights swapped",
+        _TRL_KTO,
+        (
+            (
+                "            desirable_weight=float(trainer.desirable_weight),\n"
+                "            undesirable_weight=float(trainer.undesirable_weight),\n",
+                "            desirable_weight=float(trainer.undesirable_weight),\n"
+                "            undesirable_weight=float(trainer.desirable_weight),\n",
+            ),
+        ),
+        ("tests/test_trl_kto.py", "-k", "matches_trl and kto-weighted"),
+    ),
+    Mutation(
+        "trl_sequence",
+        "KTO: the rewards logged without beta",
+        _TRL_KTO,
+        (("rewards = trainer.beta * (logps - ref)", "rewards = logps - ref"),),
+        ("tests/test_trl_kto.py", "-k", "matches_trl and kto-weighted"),
+    ),
+)
+
 _MACHINE = "src/linear_ce/engine/machine.py"
 
 _MACHINE_PLAN: tuple[Mutation, ...] = (
@@ -854,6 +1037,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_DTENSOR_MUTATIONS,
     *_VOCAB_PARALLEL,
     *_TRL_MUTATIONS,
+    *_TRL_SEQUENCE,
     *_MACHINE_PLAN,
 )
 
