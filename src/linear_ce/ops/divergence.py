@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from linear_ce.checks.targets import check_class_indices
-from linear_ce.engine.chunk_loop import Companion, Gradients, Needs, run_head, tiles_for
+from linear_ce.engine.chunk_loop import Companion, Gradients, Needs, tiles_for
 from linear_ce.engine.plan import DIVERGENCE_SHARE, acc_dtype_for, make_plan
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
@@ -37,7 +37,7 @@ from linear_ce.ops.autograd import (
     register_by_reduction,
     row_weight,
 )
-from linear_ce.ops.schema import OpSchema, PlanOptions
+from linear_ce.ops.schema import OpSchema, PlanOptions, run_head_on
 
 __all__ = [
     "SCHEMA",
@@ -141,16 +141,13 @@ def run_divergence(
         args.teacher_transform,
         teacher_plan.gemm,
     )
-    grads = run_head(
-        input,
-        args.linear_weight,
-        args.linear_bias,
+    grads = run_head_on(
+        args,
         head,
-        args.transform,
         options,
         vocab,
         needs,
-        teacher,
+        companion=teacher,
         grad_scale=grad_scale,
         share=DIVERGENCE_SHARE,
     )

@@ -39,10 +39,11 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 from torch._library.custom_ops import CustomOpDef
 
-from linear_ce.engine.chunk_loop import Gradients, Needs
+from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
+from linear_ce.engine.vocab import Vocab
 from linear_ce.options import LinearCrossEntropyOptions
 
-__all__ = ["OpSchema", "PlanOptions"]
+__all__ = ["OpSchema", "PlanOptions", "run_head_on"]
 
 ArgumentsT = TypeVar("ArgumentsT", bound=tuple)
 
@@ -75,6 +76,30 @@ class PlanOptions(NamedTuple):
 
 
 @functools.cache
+def run_head_on(
+    args: Any,
+    head: Any,
+    options: LinearCrossEntropyOptions,
+    vocab: Vocab,
+    needs: Needs,
+    **named: Any,
+) -> Gradients:
+    """:func:`~linear_ce.engine.chunk_loop.run_head` of ``head`` on an op's arguments
+    ``args``: their ``input``, ``linear_weight``, ``linear_bias`` and ``transform``
+    (``named``: its ``companion``, ``grad_scale`` and ``share``)."""
+    return run_head(
+        args.input,
+        args.linear_weight,
+        args.linear_bias,
+        head,
+        args.transform,
+        options,
+        vocab,
+        needs,
+        **named,
+    )
+
+
 def _fields(structure: type) -> tuple[tuple[str, Any], ...]:
     """``(name, type)`` of each field of a ``NamedTuple`` or dataclass, in order (read once
     per type: every op call rebuilds its structure)."""

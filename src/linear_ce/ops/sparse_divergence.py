@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from linear_ce.checks.targets import check_class_indices
-from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
+from linear_ce.engine.chunk_loop import Gradients, Needs
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
@@ -38,7 +38,7 @@ from linear_ce.ops.autograd import (
     row_weight,
 )
 from linear_ce.ops.divergence import mean_gradient_scale
-from linear_ce.ops.schema import OpSchema, PlanOptions
+from linear_ce.ops.schema import OpSchema, PlanOptions, run_head_on
 
 __all__ = [
     "SCHEMA",
@@ -233,17 +233,7 @@ def run_sparse_divergence(
         temperature=args.transform.temperature,
         row_weight=weight if any(needs) else None,
     )
-    grads = run_head(
-        input,
-        args.linear_weight,
-        args.linear_bias,
-        head,
-        args.transform,
-        options,
-        vocab,
-        needs,
-        grad_scale=grad_scale,
-    )
+    grads = run_head_on(args, head, options, vocab, needs, grad_scale=grad_scale)
     return reduce_rows(head.loss, valid, args.reduction), grads
 
 

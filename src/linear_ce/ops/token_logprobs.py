@@ -26,14 +26,14 @@ from typing import NamedTuple
 import torch
 
 from linear_ce.checks.targets import check_class_indices
-from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
+from linear_ce.engine.chunk_loop import Gradients, Needs
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
 from linear_ce.ops.autograd import Forward, OnVocab, gradient_outputs
-from linear_ce.ops.schema import OpSchema, PlanOptions
+from linear_ce.ops.schema import OpSchema, PlanOptions, run_head_on
 
 __all__ = [
     "SCHEMA",
@@ -84,16 +84,7 @@ def run_token_logprobs(args: TokenArguments, vocab: Vocab) -> tuple[TokenLogprob
         grad_logprob=args.grad_logprob,
         grad_entropy=args.grad_entropy,
     )
-    grads = run_head(
-        args.input,
-        args.linear_weight,
-        args.linear_bias,
-        head,
-        args.transform,
-        options,
-        vocab,
-        args.needs,
-    )
+    grads = run_head_on(args, head, options, vocab, args.needs)
     if head.topk:
         head.topk_logprobs, head.topk_ids = vocab.merge_topk(head.topk_logprobs, head.topk_ids)
     return head, grads
