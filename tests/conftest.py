@@ -84,6 +84,24 @@ def run_gloo_rank(rank: int, world: int, folder: str, check: Callable[[], object
     os._exit(status)
 
 
+#: The in-process gloo group last left where its teardown can hang, kept alive until the
+#: next one is left (see :func:`leave_gloo_group`).
+_LEFT_GROUP: list[object] = []
+
+
+def leave_gloo_group() -> None:
+    """``dist.destroy_process_group()`` for a group of the test process itself.
+
+    Where the teardown can hang (:data:`GLOO_TEARDOWN_HANGS`; seen on torch 2.6 in a
+    one-rank group's fixture too) the group's object is kept alive past the call, so its
+    destructor does not run then, right after the group's last collective, while a worker
+    thread may still hold that collective's tensors; it runs when the next group is left
+    (or at exit), its workers long idle by then."""
+    if GLOO_TEARDOWN_HANGS:
+        _LEFT_GROUP[:] = [dist.group.WORLD]
+    dist.destroy_process_group()
+
+
 def _write_findings(folder: str, rank: int, found: object) -> None:
     with open(f"{folder}/rank{rank}.json", "w") as out:
         json.dump(found, out)

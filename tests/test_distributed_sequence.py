@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import linear_ce
 import linear_ce.objectives as obj
 import sequence_formula as formula
-from conftest import eps, rel_err, run_gloo_rank
+from conftest import eps, leave_gloo_group, rel_err, run_gloo_rank
 from linear_ce.distributed import vocab_parallel_sequence_objective
 
 # Against the single-process call on the same fp32 inputs: the shards change only the
@@ -280,7 +280,7 @@ def mesh(tmp_path, monkeypatch):
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
-        dist.destroy_process_group()
+        leave_gloo_group()
 
 
 def test_split_packed_sequences_refused(mesh):

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import linear_ce
 import linear_ce.objectives as obj
-from conftest import eps, rel_err, run_gloo_rank
+from conftest import eps, leave_gloo_group, rel_err, run_gloo_rank
 from linear_ce.parallel.dtensor import accepts_dtensors
 
 IGNORE = -100
@@ -645,7 +645,7 @@ def mesh(tmp_path, monkeypatch):
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
-        dist.destroy_process_group()
+        leave_gloo_group()
 
 
 def _call(x, W, **kw):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import linear_ce
-from conftest import eps, rel_err
+from conftest import eps, leave_gloo_group, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.distributed import (
     vocab_parallel_linear_cross_entropy,
@@ -307,7 +307,7 @@ def group_for(tmp_path_factory):
 
     yield open_for
     if opened:
-        dist.destroy_process_group()
+        leave_gloo_group()
 
 
 @pytest.mark.parametrize(("function", "case"), list(_params()))
