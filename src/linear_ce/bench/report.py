@@ -163,6 +163,11 @@ COLORS = {
     "divergence-plain": "#cc0099",
     "divergence-linear_ce": "#00ff00",
     "divergence-trl": "#80ccff",
+    "dpo-plain": "#0000ff",
+    "dpo-logprobs": "#404000",
+    "dpo-linear_ce": "#60df80",
+    "sparse-plain": "#009f80",
+    "sparse-linear_ce": "#60df00",
 }
 
 
