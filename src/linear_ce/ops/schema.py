@@ -75,7 +75,6 @@ class PlanOptions(NamedTuple):
         )
 
 
-@functools.cache
 def run_head_on(
     args: Any,
     head: Any,
@@ -100,6 +99,7 @@ def run_head_on(
     )
 
 
+@functools.cache
 def _fields(structure: type) -> tuple[tuple[str, Any], ...]:
     """``(name, type)`` of each field of a ``NamedTuple`` or dataclass, in order (read once
     per type: every op call rebuilds its structure)."""
