@@ -1,6 +1,7 @@
 """No leaks: stored gradients and outputs are freed by reference counting alone, and
 many forward+backward calls do not grow the process's memory; for the loss and for the
-post-training heads (``token_logprobs``, ``token_objective``, ``linear_divergence``)."""
+post-training heads (``token_logprobs``, ``token_objective``, ``linear_divergence``,
+``sparse_divergence``, ``sequence_objective``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import linear_ce
+import linear_ce.objectives as objectives
 from linear_ce import LinearCrossEntropyOptions
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -112,7 +114,13 @@ def test_many_calls_do_not_grow_rss():
     assert grown < 8 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 200 calls"
 
 
-HEADS = ("token_logprobs", "token_objective", "linear_divergence")
+HEADS = (
+    "token_logprobs",
+    "token_objective",
+    "linear_divergence",
+    "sparse_divergence",
+    "sequence_objective",
+)
 
 
 def _head_outputs(head, x, W, b, t):
@@ -134,6 +142,26 @@ def _head_outputs(head, x, W, b, t):
             advantage=advantage,
         )
         return [loss], loss
+    if head == "sparse_divergence":
+        g = torch.Generator().manual_seed(2)
+        ids = torch.stack([torch.randperm(W.shape[0], generator=g)[:8] for _ in range(len(t))])
+        stored = torch.randn(ids.shape, generator=g).log_softmax(-1)
+        loss = linear_ce.sparse_divergence(x, W, ids, stored, t, linear_bias=b, beta=0.5)
+        return [loss], loss
+    if head == "sequence_objective":
+        # Four sequences of eight tokens, two chosen/rejected pairs (TRL's row order).
+        reference = torch.randn(4, generator=torch.Generator().manual_seed(3))
+        out = linear_ce.sequence_objective(
+            x.reshape(4, 8, -1),
+            W,
+            t.reshape(4, 8),
+            objectives.dpo(beta=0.1),
+            group="pairs",
+            linear_bias=b,
+            entropy=True,
+            ref_logprob=reference,
+        )
+        return [out.loss, out.logprob_sum], out.loss
     teacher_x, teacher_W = x.detach() * 0.5, W.detach().flip(0)
     loss, entropy = linear_ce.linear_divergence(
         x, W, teacher_x, teacher_W, t, student_bias=b, beta=0.5, return_entropy=True
@@ -147,7 +175,8 @@ def _head_node(tensor):
     todo = [tensor.grad_fn]
     while todo:
         node = todo.pop()
-        if "linear_ce" in type(node).__name__ or "TokenObjective" in type(node).__name__:
+        name = type(node).__name__
+        if "linear_ce" in name or "TokenObjective" in name or "SequenceObjective" in name:
             return node
         todo.extend(n for n, _ in node.next_functions if n is not None)
     raise AssertionError(f"no linear_ce node under {tensor.grad_fn}")
@@ -172,13 +201,13 @@ def test_head_outputs_and_graph_freed_without_gc(gc_disabled, head, backward):
 
 @pytest.mark.slow
 def test_many_head_calls_do_not_grow_rss():
-    """200 forward+backward calls cycling through the three heads: RSS grows by less
+    """200 forward+backward calls cycling through the heads: RSS grows by less
     than 8 MiB, while leaking only the weight gradient of each call would add
     200·256·64·4 B = 12.5 MiB."""
     x, W, b, t = _inputs()
 
     def step(i):
-        _, loss = _head_outputs(HEADS[i % 3], x, W, b, t)
+        _, loss = _head_outputs(HEADS[i % len(HEADS)], x, W, b, t)
         loss.backward()
         x.grad = W.grad = b.grad = None
 
