@@ -14,7 +14,6 @@ reach the sequence objective and must give TRL's own results.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 
 import pytest
@@ -23,13 +22,12 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is not installed: pip install 'linear-ce[trl]'")
 
 from datasets import Dataset  # noqa: E402
-from trl.kernels import chunked_logprob  # noqa: E402
 
-import linear_ce.integrations.trl_sequence as trl_sequence  # noqa: E402
 from conftest import eps, rel_err  # noqa: E402
 from linear_ce import LinearCrossEntropyOptions  # noqa: E402
 from linear_ce.integrations import trl as lce_trl  # noqa: E402
 from test_trl import _common, _llama, _reward, _sentences, _tokenizer  # noqa: E402
+from trl_routes import routed_fixture, unpatched_fixture  # noqa: E402, F401 (fixtures)
 
 # Logged values of both runs (fp32 heads, the same weights): TRL sums per-token values in
 # fp32, the route in float64; a handful of fp32 roundings of values of order one.
@@ -48,36 +46,6 @@ ONE_SIDED = (-1.0, -1.0, 0.5, 0.7, -1.2, 0.9, -0.3, 1.4)
 
 
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
-
-
-@pytest.fixture(autouse=True)
-def _unpatched():
-    lce_trl.unpatch()
-    yield
-    lce_trl.unpatch()
-
-
-@pytest.fixture
-def routed(monkeypatch):
-    """Counts the sequence-objective calls of the route and TRL's kernel forwards."""
-    calls = {"sequence": 0, "kernel": 0}
-    inner = trl_sequence.sequence_objective
-
-    def counted(*args, **kwargs):
-        calls["sequence"] += 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(trl_sequence, "sequence_objective", counted)
-    kernel = chunked_logprob.ChunkedLogProbFunction
-    forward = kernel.forward
-
-    @functools.wraps(forward)
-    def counted_forward(*args):
-        calls["kernel"] += 1
-        return forward(*args)
-
-    monkeypatch.setattr(kernel, "forward", staticmethod(counted_forward))
-    return calls
 
 
 def _trainer(tmp_path, **config):
