@@ -262,15 +262,7 @@ def memory_budget() -> float | None:
 
 
 def _forced_rows() -> int | None:
-    text = os.environ.get(CHUNK_ROWS_ENV, "auto").strip() or "auto"
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(
-            f"{CHUNK_ROWS_ENV} must be a positive number of rows per chunk (forcing the "
-            f"plan's choice) or auto (measured, the default); got {text!r}"
-        )
-    return int(text)
+    return _forced_count(CHUNK_ROWS_ENV, "rows per chunk (forcing the plan's choice)")
 
 
 def _forced_count(name: str, what: str) -> int | None:
