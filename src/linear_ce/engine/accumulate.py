@@ -54,7 +54,6 @@ __all__ = [
     "CACHE_BLOCK_ELEMENTS",
     "DirectSum",
     "SplitSum",
-    "WideSum",
     "weight_grad_sum",
 ]
 
@@ -65,11 +64,19 @@ CACHE_BLOCK_ELEMENTS = 1 << 18
 
 
 class DirectSum:
-    """Products added straight into the result (see module doc, ``"direct"``)."""
+    """Products added straight into a sum held in ``dtype``: the result itself (see module
+    doc, ``"direct"``), or a separate wide buffer rounded to ``result_dtype`` by ``finish``
+    (``"wide"``)."""
 
     def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gemm: Gemm,
+        device: torch.device,
+        result_dtype: torch.dtype | None = None,
     ) -> None:
+        self.result_dtype = dtype if result_dtype is None else result_dtype
         # Not zeroed: a position's first product is written, not added (one pass over
         # (V, F) less: 23 ms of a 1.3 s bf16 step at N=2048, F=1024, V=32768).
         self.sum = torch.empty(shape, dtype=dtype, device=device)
@@ -110,8 +117,9 @@ class DirectSum:
                 acc[block].add_(product)
 
     def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum (times ``scale``, a 0-dim tensor)."""
-        return self._summed() if scale is None else self._summed().mul_(scale)
+        """The sum (times ``scale``, a 0-dim tensor) in the result dtype."""
+        summed = self._summed() if scale is None else self._summed().mul_(scale)
+        return summed.to(self.result_dtype)
 
     def _summed(self) -> torch.Tensor:
         """The sum, with positions that never got a product (no valid row) zeroed."""
@@ -119,25 +127,6 @@ class DirectSum:
             if position not in self._started:
                 self.sum[:, position].zero_()
         return self.sum
-
-
-class WideSum(DirectSum):
-    """A separate wide buffer, rounded to ``result_dtype`` by ``finish``."""
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        gemm: Gemm,
-        device: torch.device,
-        result_dtype: torch.dtype,
-    ) -> None:
-        super().__init__(shape, dtype, gemm, device)
-        self.result_dtype = result_dtype
-
-    def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The wide sum (times ``scale``, a 0-dim tensor) rounded to the result dtype."""
-        return super().finish(scale).to(self.result_dtype)
 
 
 class SplitSum:
@@ -243,7 +232,7 @@ class SplitSum:
 
 def weight_grad_sum(
     plan: Plan, shape: tuple[int, ...], device: torch.device
-) -> DirectSum | WideSum | SplitSum:
+) -> DirectSum | SplitSum:
     """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
     if plan.weight_grad == "split":
         # Half products: holding one chunk costs B·(V + F) half elements, halves the passes;
@@ -254,5 +243,5 @@ def weight_grad_sum(
         )
         return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
     if plan.weight_grad == "wide":
-        return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
+        return DirectSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
     return DirectSum(shape, plan.input_dtype, plan.gemm, device)
