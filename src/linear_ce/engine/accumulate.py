@@ -31,7 +31,7 @@ is held is the plan's ``weight_grad``:
 Example::
 
     >>> from linear_ce.engine.gemm import SameDtype
-    >>> acc = SplitSum((10, 1, 8), torch.bfloat16, SameDtype(torch.float32), "cpu")
+    >>> acc = SplitSum(torch.zeros(10, 1, 8, dtype=torch.bfloat16), SameDtype(torch.float32))
     >>> g, x = torch.randn(4, 10), torch.randn(4, 8)
     >>> acc.add(0, g, x)
     >>> acc.finish().dtype
@@ -64,22 +64,18 @@ CACHE_BLOCK_ELEMENTS = 1 << 18
 
 
 class DirectSum:
-    """Products added straight into a sum held in ``dtype``: the result itself (see module
-    doc, ``"direct"``), or a separate wide buffer rounded to ``result_dtype`` by ``finish``
-    (``"wide"``)."""
+    """Products added straight into ``buffer``, a ``(V, P, F)`` sum: the result itself
+    (see module doc, ``"direct"``), or a wider one rounded to ``result_dtype`` by
+    ``finish`` (``"wide"``). ``buffer`` need not be zeroed: a position's first product is
+    written, not added (one pass over ``(V, F)`` less: 23 ms of a 1.3 s bf16 step at
+    N=2048, F=1024, V=32768)."""
 
     def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        gemm: Gemm,
-        device: torch.device,
-        result_dtype: torch.dtype | None = None,
+        self, buffer: torch.Tensor, gemm: Gemm, result_dtype: torch.dtype | None = None
     ) -> None:
+        dtype = buffer.dtype
         self.result_dtype = dtype if result_dtype is None else result_dtype
-        # Not zeroed: a position's first product is written, not added (one pass over
-        # (V, F) less: 23 ms of a 1.3 s bf16 step at N=2048, F=1024, V=32768).
-        self.sum = torch.empty(shape, dtype=dtype, device=device)
+        self.sum = buffer
         self.gemm = gemm
         self._started: set[int] = set()
         #: Whether each chunk's product is rounded to a half dtype: a scale of the result
@@ -130,20 +126,14 @@ class DirectSum:
 
 
 class SplitSum:
-    """An fp32 sum held in a half result plus a low-order plane (see module doc)."""
+    """An fp32 sum held in ``result``, a zeroed half ``(V, P, F)`` tensor, plus a low-order
+    plane (see module doc)."""
 
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        gemm: Gemm,
-        device: torch.device,
-        *,
-        pair_chunks: bool = False,
-    ) -> None:
-        if dtype not in HALF_DTYPES:
-            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
-        self.result = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, result: torch.Tensor, gemm: Gemm, *, pair_chunks: bool = False) -> None:
+        if result.dtype not in HALF_DTYPES:
+            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {result.dtype}")
+        shape, device = result.shape, result.device
+        self.result = result
         self.gemm = gemm
         self._high = self.result.view(torch.int16)
         self._low = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -241,7 +231,9 @@ def weight_grad_sum(
             plan.gemm.operand_dtype == plan.input_dtype
             and plan.rows_per_step == plan.rows_per_chunk
         )
-        return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
+        result = torch.zeros(shape, dtype=plan.input_dtype, device=device)
+        return SplitSum(result, plan.gemm, pair_chunks=pair)
     if plan.weight_grad == "wide":
-        return DirectSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
-    return DirectSum(shape, plan.input_dtype, plan.gemm, device)
+        wide = torch.empty(shape, dtype=plan.weight_grad_dtype, device=device)
+        return DirectSum(wide, plan.gemm, plan.input_dtype)
+    return DirectSum(torch.empty(shape, dtype=plan.input_dtype, device=device), plan.gemm)
