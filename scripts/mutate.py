@@ -957,8 +957,8 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         _MACHINE,
         (
             (
-                "        chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
-                "        chosen = max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        return max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "rows_smallest"),
