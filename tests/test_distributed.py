@@ -49,6 +49,7 @@ def _case(name: str, **kw) -> dict:
         shift=False,
         chunk=16,
         layout="gathered",
+        masked=False,
     )
     base.update(kw)
     return base
@@ -94,6 +95,9 @@ CASES = [
     _case("sum_shift_softcap", rows=(2, 12), reduction="sum", shift=True, softcap=3.0),
     _case("sum_k_dim_ignored", reduction="sum", positions=2, ignore=True, class_weight=True),
     _case("mean_default_options", chunk=None, smoothing=0.05, ignore=True),
+    # A -inf logit (a masked class) first in every shard: rows whose target another shard
+    # holds must not read it as their target logit (-inf * 0 was NaN).
+    _case("mean_masked_shard_starts", bias=True, ignore=True, masked=True),
 ]
 
 
@@ -216,6 +220,11 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
     sizes = _split(num_classes, world, case["layout"])
     start, size = sum(sizes[:rank]), sizes[rank]
     rows_of = slice(start, start + size)
+    if case["masked"]:
+        starts = torch.tensor([sum(sizes[:k]) for k in range(world)])
+        inp["b"][starts] = -torch.inf
+        t = inp["t"]
+        t[torch.isin(t, starts)] += 1
     kw = _kwargs(case)
     layout = (
         {} if case["layout"] == "gathered" else dict(vocab_start=start, num_classes=num_classes)

@@ -85,7 +85,38 @@ def _check(rank: int, world: int) -> list[str]:
         )
     if not torch.equal(out.top1, ref.top1):
         failures.append(f"rank {rank}/{world} top1 differs")
-    return failures + _check_ties(rank, world, sizes)
+    return failures + _check_ties(rank, world, sizes) + _check_masked_shard_starts(rank, world)
+
+
+def _check_masked_shard_starts(rank: int, world: int) -> list[str]:
+    """A -inf logit (a masked class) first in every shard: a token whose target another
+    shard holds must not read it as its target logit (-inf * 0 was NaN)."""
+    g = torch.Generator().manual_seed(12)
+    V = {2: 101, 4: 1001}[world]
+    x, W, b = torch.randn(30, 16, generator=g), torch.randn(V, 16, generator=g), torch.zeros(V)
+    sizes = [len(p) for p in torch.arange(V).tensor_split(world)]
+    starts = torch.tensor([sum(sizes[:k]) for k in range(world)])
+    b[starts] = -torch.inf
+    t = torch.randint(0, V, (30,), generator=g)
+    t[torch.isin(t, starts)] += 1
+    up = torch.randn(30, generator=g)
+    shard = slice(starts[rank], starts[rank] + sizes[rank])
+    xs, Ws = x.clone().requires_grad_(), W[shard].clone().requires_grad_()
+    got = vocab_parallel_token_logprobs(xs, Ws, t, linear_bias=b[shard]).logprob
+    (got * up).sum().backward()
+    xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+    want = linear_ce.token_logprobs(xr, Wr, t, linear_bias=b).logprob
+    (want * up).sum().backward()
+    pairs = {
+        "logprob": (got, want),
+        "grad_input": (xs.grad, xr.grad),
+        "grad_weight": (Ws.grad, Wr.grad[shard]),
+    }
+    return [
+        f"rank {rank}/{world} masked shard starts {name}: {_rel(a, w):.3g}"
+        for name, (a, w) in pairs.items()
+        if not _rel(a, w) <= TOL
+    ]
 
 
 def _count_all_reduce(fn) -> list[int]:

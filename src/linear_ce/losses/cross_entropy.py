@@ -231,7 +231,10 @@ class CrossEntropyHead:
             local_t = terms.target[rows, p] - self.start
             self.owned = (local_t >= 0) & (local_t < self.local)
             self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
-            torch.mul(u.gather(1, self.safe_t)[:, 0], terms.alpha[rows, p] * self.owned, out=lin)
+            # Selected, not multiplied by the mask: the stand-in column 0 of a row whose
+            # target another shard holds may be -inf (a masked class), and -inf * 0 is NaN.
+            picked = torch.where(self.owned, u.gather(1, self.safe_t)[:, 0], 0.0)
+            torch.mul(picked, terms.alpha[rows, p], out=lin)
         else:
             lin.zero_()
         if self.smoothing:

@@ -117,7 +117,9 @@ class DistillationHead:
             return
         self.owned_t, column = self.frame.local_columns(self.target[rows, p])
         self.safe_t = column[:, None]
-        torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned_t, out=self.sum_of(out, "picked"))
+        # Selected, not multiplied by the mask: a stand-in column 0 may be -inf (-inf * 0 = NaN).
+        picked = torch.where(self.owned_t, u.gather(1, self.safe_t)[:, 0], 0.0)
+        self.sum_of(out, "picked").copy_(picked)
 
     def with_hard_loss(
         self, divergence: torch.Tensor, sums: torch.Tensor, log_zs: torch.Tensor

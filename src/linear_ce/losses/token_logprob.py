@@ -173,7 +173,8 @@ class TokenLogprobHead:
         self.owned = (local_t >= 0) & (local_t < self.local)
         self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
         picked = u.gather(1, self.safe_t)[:, 0]
-        torch.mul(picked, self.owned, out=out[:, slot["target"]])
+        # Selected, not multiplied by the mask: a stand-in column 0 may be -inf (-inf * 0 = NaN).
+        out[:, slot["target"]].copy_(torch.where(self.owned, picked, 0.0))
         if self.mean_on:
             torch.sum(u, dim=1, out=out[:, slot["sum_u"]])
         if self.top1_on:
