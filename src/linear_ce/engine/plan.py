@@ -22,6 +22,8 @@ __all__ = [
     "DIRECT_SUM_MAX_CHUNKS",
     "DIVERGENCE_SHARE",
     "HALF_CPU_BUDGET_SHARE",
+    "HALF_TILE_STEP_ELEMENTS",
+    "HALF_TILE_STEP_ROWS",
     "MEASURED_STRETCH",
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
@@ -71,12 +73,17 @@ DIVERGENCE_SHARE = 0.4
 #: with the split sum; with at most ``DIRECT_SUM_MAX_CHUNKS`` chunks the plane's bytes are
 #: added, 2 × 1024 rows).
 HALF_CPU_BUDGET_SHARE = 0.5
-#: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``) where it is
-#: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`: the step whose fp32 math runs
-#: fastest, 8 rows at V=32768 on a Sapphire Rapids core, 41 against 65 ms per 1024 rows):
-#: the half tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per
-#: logit instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on
-#: steps of this many rows (16–64 within noise on a 2-core Zen 4).
+#: Elements of a half tile's fp32 step (``Plan.rows_per_step``) where it is not measured
+#: (:meth:`linear_ce.engine.machine.Tuning.step_rows`), 16 rows at V=32768: 2 MiB, which stays
+#: in a core's L2 (2 MiB on a Sapphire Rapids, 1 MiB on a Zen 4, the step split over the
+#: threads) between the passes over it. The half tile carries the GEMMs, so its chunks can
+#: be 3× longer in the same bytes (2 per logit instead of an fp32 tile's 4 and its half
+#: copy's 2), while the fp32 math runs on steps of this size. One thread of a 2-core
+#: Sapphire Rapids, a bf16 training step at N=2048, F=1024, V=32768 (``torch.exp``, CPU
+#: time, interleaved): 1.046× its floor at 16 rows, 1.064× at 32, 1.085× at 64 (the old
+#: rule), 1.095× at 8 (the per-step operations); 16–64 rows were within noise on a Zen 4.
+HALF_TILE_STEP_ELEMENTS = 1 << 19
+#: ... and at most this many rows (a few classes).
 HALF_TILE_STEP_ROWS = 64
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
@@ -119,8 +126,11 @@ class Plan:
         gemm: how the three GEMMs are issued (see :mod:`linear_ce.engine.gemm`).
         policy: the resolved ``acc_policy``.
         exp2: form :math:`e^u` as :math:`2^{u \\log_2 e}` in the chunk loop: half inputs
-            with fp32 math on a CPU, where torch's ``exp2`` runs ~3.5× faster than its
-            ``exp`` (2-core Zen 4, AVX512: 2.8 against 10.3 ms per 16M elements). Its
+            with fp32 math on a CPU, where that measured faster than ``torch.exp``
+            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback, from a 2-core
+            Zen 4 with AVX512, where torch's ``exp2`` ran ~3.5× faster than its ``exp``:
+            2.8 against 10.3 ms per 16M elements; a Sapphire Rapids runs ``exp`` ~2×
+            faster than ``mul`` + ``exp2``). Its
             relative error, ≤ ``|u|·2⁻²⁴`` (1.8e-6 over ``u ∈ [−30, 0]``), is ~2⁻¹² of a
             bf16 rounding and ~2⁻⁸ of an fp16 one.
     """
@@ -328,8 +338,9 @@ def make_plan(
     if that runs them faster (half inputs keep the budget's longest: their weight-gradient
     sum pays per chunk); the
     logits tile takes the layout the GEMMs run faster in; a half tile's fp32 math takes
-    the step of rows it runs fastest in; the vocabulary pass's fewest classes per block are
-    those its GEMMs reach full rate at.
+    the step of rows it runs fastest in, and half inputs' fp32 math the faster form of
+    :math:`e^u`; the vocabulary pass's fewest classes per block are those its GEMMs reach
+    full rate at.
 
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
@@ -338,7 +349,8 @@ def make_plan(
 
     ``half_tile``: with native half GEMMs on a CPU the chunk loop may keep a half tile
     (``Plan.rows_per_step``): chunks are planned for ``HALF_CPU_BUDGET_SHARE`` of the
-    gradients' bytes at 2 bytes per logit, with ``HALF_TILE_STEP_ROWS``-row fp32 steps
+    gradients' bytes at 2 bytes per logit, with fp32 steps of ``HALF_TILE_STEP_ELEMENTS``
+    logits where not measured
     (the weight-gradient sum then holds no chunk). ``False`` for a caller whose loop
     cannot use one (a companion head).
     """
@@ -364,7 +376,7 @@ def make_plan(
         gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
-    exp2 = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
+    half_math = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
     half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
     # The default budget of a one-tile loop, which the machine's measurement may stretch.
     stretch = MEASURED_STRETCH if share is None and tiles == 1 and memory_budget() is None else 1.0
@@ -373,6 +385,7 @@ def make_plan(
     scale = (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
     share *= scale
     tuning = tuning_for(device, gemm.operand_dtype, in_features, flops)
+    exp2 = half_math and tuning.exp2(True)
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
@@ -431,7 +444,8 @@ def make_plan(
             if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
                 weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
     if half:
-        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
+        fallback = max(1, min(HALF_TILE_STEP_ROWS, HALF_TILE_STEP_ELEMENTS // num_classes))
+        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, fallback))
     else:
         rows_per_step = rows_per_chunk
     if vocab_pass:
