@@ -1035,7 +1035,12 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         "machine_plan",
         "exponential: the plan ignores the measured or forced form",
         "src/linear_ce/engine/plan.py",
-        (("    exp2 = half_math and tuning.exp2(True)\n", "    exp2 = half_math\n"),),
+        (
+            (
+                "    exp2 = half_math and tuning.exp2(EXP_FLAG not in cpu_flags())\n",
+                "    exp2 = half_math\n",
+            ),
+        ),
         ("tests/test_machine_plan.py", "-k", "exp_form"),
     ),
     Mutation(

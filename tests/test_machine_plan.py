@@ -318,30 +318,36 @@ def test_half_tile_step_measured(monkeypatch):
     assert make_plan(20000, 1024, 4096, torch.bfloat16, CPU, options).rows_per_step == 64
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no AMX", "AMX"])
 @pytest.mark.parametrize(
     ("speedup", "spread", "expected"),
-    [(2.0, 1.01, True), (0.5, 1.01, False), (0.5, 1.5, True)],
+    [(2.0, 1.01, True), (0.5, 1.01, False), (0.5, 1.5, None)],
     ids=["exp2 faster", "exp faster", "unsteady: the fallback"],
 )
-def test_exp_form_measured(monkeypatch, speedup, spread, expected):
+def test_exp_form_measured(monkeypatch, speedup, spread, expected, amx):
     """Half inputs' fp32 math forms ``eᵘ`` in the form that measured faster
-    (:func:`machine.exp_speedup`: exp2's rate over exp's), ``exp2`` (the fallback) where the
-    measurement was unsteady or not taken (``LINEAR_CE_MEASURE=0``, a call too small to pay
-    for it); ``LINEAR_CE_EXP`` forces either; fp32 inputs never take ``exp2``."""
+    (:func:`machine.exp_speedup`: exp2's rate over exp's); where the measurement was
+    unsteady or not taken (``LINEAR_CE_MEASURE=0``, a call too small to pay for it), the
+    fallback: ``exp`` on a CPU with AMX (``EXP_FLAG``), else ``exp2``. ``LINEAR_CE_EXP``
+    forces either; fp32 inputs never take ``exp2``."""
+    fallback = not amx
+    flags = frozenset({"avx512f", "amx_tile"} if amx else {"avx512f"})
+    monkeypatch.setattr("linear_ce.engine.plan.cpu_flags", lambda: flags)
     monkeypatch.setenv(machine.MEASURE_ENV, "process")
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "0")
     monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
     monkeypatch.setattr(machine, "exp_speedup", lambda: [speedup, spread, 0.95])
     options = LinearCrossEntropyOptions()
-    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is expected
-    assert make_plan(64, 64, 100, torch.bfloat16, CPU, options).exp2 is True
+    measured = fallback if expected is None else expected
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is measured
+    assert make_plan(64, 64, 100, torch.bfloat16, CPU, options).exp2 is fallback
     assert make_plan(*BIG, torch.float32, CPU, options).exp2 is False
     for forced, form in ((True, "exp2"), (False, "exp")):
         monkeypatch.setenv(machine.EXP_ENV, form)
         assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is forced
     monkeypatch.delenv(machine.EXP_ENV)
     monkeypatch.setenv(machine.MEASURE_ENV, "0")
-    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is True
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is fallback
 
 
 def test_step_measurement_counts_the_per_step_operations(monkeypatch):

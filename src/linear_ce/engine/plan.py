@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
+from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_gemm
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.engine.machine import half_gemm_pays, memory_budget, tuning_for
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
@@ -21,6 +21,7 @@ __all__ = [
     "BUDGET_SHARE",
     "DIRECT_SUM_MAX_CHUNKS",
     "DIVERGENCE_SHARE",
+    "EXP_FLAG",
     "HALF_CPU_BUDGET_SHARE",
     "HALF_TILE_STEP_ELEMENTS",
     "HALF_TILE_STEP_ROWS",
@@ -85,6 +86,12 @@ HALF_CPU_BUDGET_SHARE = 0.5
 HALF_TILE_STEP_ELEMENTS = 1 << 19
 #: ... and at most this many rows (a few classes).
 HALF_TILE_STEP_ROWS = 64
+#: Where it is not measured (:meth:`linear_ce.engine.machine.Tuning.exp2`), half inputs'
+#: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag (AMX: a 2-core Sapphire
+#: Rapids ran ``torch.exp`` 2× faster than ``mul`` + ``exp2``, 0.19 against 0.40 ns per
+#: element, and a bf16 step at N=2048, F=1024, V=32768 1.087× its floor against 1.137×, one
+#: thread, CPU time), else as ``2^(u·log₂e)`` (a 2-core Zen 4: ``exp2`` ~3.5× faster).
+EXP_FLAG = "amx_tile"
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
 #: (:meth:`linear_ce.engine.machine.Tuning.min_class_block`): the block's three GEMMs have
@@ -127,10 +134,10 @@ class Plan:
         policy: the resolved ``acc_policy``.
         exp2: form :math:`e^u` as :math:`2^{u \\log_2 e}` in the chunk loop: half inputs
             with fp32 math on a CPU, where that measured faster than ``torch.exp``
-            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback, from a 2-core
-            Zen 4 with AVX512, where torch's ``exp2`` ran ~3.5× faster than its ``exp``:
-            2.8 against 10.3 ms per 16M elements; a Sapphire Rapids runs ``exp`` ~2×
-            faster than ``mul`` + ``exp2``). Its
+            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback, ``EXP_FLAG``:
+            on a 2-core Zen 4 with AVX512 torch's ``exp2`` ran ~3.5× faster than its
+            ``exp``, 2.8 against 10.3 ms per 16M elements; a Sapphire Rapids runs ``exp``
+            ~2× faster than ``mul`` + ``exp2``). Its
             relative error, ≤ ``|u|·2⁻²⁴`` (1.8e-6 over ``u ∈ [−30, 0]``), is ~2⁻¹² of a
             bf16 rounding and ~2⁻⁸ of an fp16 one.
     """
@@ -385,7 +392,7 @@ def make_plan(
     scale = (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
     share *= scale
     tuning = tuning_for(device, gemm.operand_dtype, in_features, flops)
-    exp2 = half_math and tuning.exp2(True)
+    exp2 = half_math and tuning.exp2(EXP_FLAG not in cpu_flags())
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
