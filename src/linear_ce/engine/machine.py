@@ -59,8 +59,7 @@ fake tensors, and without ``torch.distributed`` initialised (the ranks of a
 vocabulary-parallel call must plan the same chunks, and each would measure its own
 rates). Everywhere else the plan takes the **fallback**, the fixed rule: the budget's
 longest chunks, a class-major tile, the half path the CPU's flags promise,
-a half tile step of ``linear_ce.engine.plan.HALF_TILE_STEP_ELEMENTS`` (at most
-``linear_ce.engine.plan.HALF_TILE_STEP_ROWS`` rows), ``torch.exp`` on a CPU with AMX
+``linear_ce.engine.plan.HALF_TILE_STEP_ROWS`` rows per half tile step, ``torch.exp`` on a CPU with AMX
 (``linear_ce.engine.plan.EXP_FLAG``) and ``2^(u·log₂e)`` elsewhere, and
 ``linear_ce.engine.plan.MIN_CLASS_BLOCK`` classes. Every choice changes how the work is split, never what is computed: results
 agree to rounding.

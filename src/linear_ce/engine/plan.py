@@ -23,7 +23,6 @@ __all__ = [
     "DIVERGENCE_SHARE",
     "EXP_FLAG",
     "HALF_CPU_BUDGET_SHARE",
-    "HALF_TILE_STEP_ELEMENTS",
     "HALF_TILE_STEP_ROWS",
     "MEASURED_STRETCH",
     "MIN_CLASS_BLOCK",
@@ -74,17 +73,19 @@ DIVERGENCE_SHARE = 0.4
 #: with the split sum; with at most ``DIRECT_SUM_MAX_CHUNKS`` chunks the plane's bytes are
 #: added, 2 × 1024 rows).
 HALF_CPU_BUDGET_SHARE = 0.5
-#: Elements of a half tile's fp32 step (``Plan.rows_per_step``) where it is not measured
-#: (:meth:`linear_ce.engine.machine.Tuning.step_rows`), 16 rows at V=32768: 2 MiB, which stays
-#: in a core's L2 (2 MiB on a Sapphire Rapids, 1 MiB on a Zen 4, the step split over the
-#: threads) between the passes over it. The half tile carries the GEMMs, so its chunks can
-#: be 3× longer in the same bytes (2 per logit instead of an fp32 tile's 4 and its half
-#: copy's 2), while the fp32 math runs on steps of this size. One thread of a 2-core
-#: Sapphire Rapids, a bf16 training step at N=2048, F=1024, V=32768 (``torch.exp``, CPU
-#: time, interleaved): 1.046× its floor at 16 rows, 1.064× at 32, 1.085× at 64 (the old
-#: rule), 1.095× at 8 (the per-step operations); 16–64 rows were within noise on a Zen 4.
-HALF_TILE_STEP_ELEMENTS = 1 << 19
-#: ... and at most this many rows (a few classes).
+#: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``) where it is
+#: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`). The half tile carries the
+#: GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit instead of an fp32
+#: tile's 4 and its half copy's 2), while the fp32 math runs on steps of this many rows.
+#: Shorter steps stay in a core's L2 (16 rows at V=32768: 2 MiB of fp32) and ran a bf16
+#: training step at N=2048, F=1024, V=32768 faster on one idle Sapphire Rapids thread (CPU
+#: time: 1.046–1.087× its floor at 16 rows against 1.085–1.124× at 64, ``torch.exp``; 16–64
+#: rows within noise on a 2-core Zen 4), but each of a step's passes is a parallel region of
+#: its own: on the same 2 cores shared with ~10 other busy processes (load average 10–12)
+#: 16-row steps took the step to 4.9–7.7× the floor and the forward to 6–17×, where 64-row
+#: steps took 3.0× and 4.3×. So the fixed rule keeps 64 rows, and shorter steps are taken
+#: only where this machine measured them faster with its threads (``step_rates``, which a
+#: busy machine leaves unsteady, hence unused).
 HALF_TILE_STEP_ROWS = 64
 #: Where it is not measured (:meth:`linear_ce.engine.machine.Tuning.exp2`), half inputs'
 #: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag (AMX: a 2-core Sapphire
@@ -356,8 +357,8 @@ def make_plan(
 
     ``half_tile``: with native half GEMMs on a CPU the chunk loop may keep a half tile
     (``Plan.rows_per_step``): chunks are planned for ``HALF_CPU_BUDGET_SHARE`` of the
-    gradients' bytes at 2 bytes per logit, with fp32 steps of ``HALF_TILE_STEP_ELEMENTS``
-    logits where not measured
+    gradients' bytes at 2 bytes per logit, with ``HALF_TILE_STEP_ROWS``-row fp32 steps where
+    not measured
     (the weight-gradient sum then holds no chunk). ``False`` for a caller whose loop
     cannot use one (a companion head).
     """
@@ -451,8 +452,7 @@ def make_plan(
             if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
                 weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
     if half:
-        fallback = max(1, min(HALF_TILE_STEP_ROWS, HALF_TILE_STEP_ELEMENTS // num_classes))
-        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, fallback))
+        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
     else:
         rows_per_step = rows_per_chunk
     if vocab_pass:
