@@ -90,8 +90,9 @@ HALF_TILE_STEP_ROWS = 64
 #: Where it is not measured (:meth:`linear_ce.engine.machine.Tuning.exp2`), half inputs'
 #: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag (AMX: a 2-core Sapphire
 #: Rapids ran ``torch.exp`` 2× faster than ``mul`` + ``exp2``, 0.19 against 0.40 ns per
-#: element, and a bf16 step at N=2048, F=1024, V=32768 1.087× its floor against 1.137×, one
-#: thread, CPU time), else as ``2^(u·log₂e)`` (a 2-core Zen 4: ``exp2`` ~3.5× faster).
+#: element; a bf16 step at N=2048, F=1024, V=32768 in 16-row steps 1.087× its floor against
+#: 1.137×, one thread, CPU time), else as ``2^(u·log₂e)`` (a 2-core Zen 4: ``exp2`` ~3.5×
+#: faster).
 EXP_FLAG = "amx_tile"
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
