@@ -667,8 +667,8 @@ _VOCAB_PARALLEL: tuple[Mutation, ...] = (
         _DIVERGENCE_HEAD,
         (
             (
-                "            local_t = self.target[rows, p] - self.start\n            self.owned = (",
-                "            local_t = self.target[rows, p]\n            self.owned = (",
+                "self.frame.local_columns(self.target[rows, p])",
+                "self.frame.local_columns(self.target[rows, p] + self.frame.vocab_start)",
             ),
         ),
         ("tests/test_distributed_divergence.py",),
@@ -957,8 +957,8 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         _MACHINE,
         (
             (
-                "        chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
-                "        chosen = max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        return max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "rows_smallest"),

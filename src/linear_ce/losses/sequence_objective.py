@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import HeadFrame, RowStats
 from linear_ce.engine.row_chunks import RowChunk, chunk_size
 from linear_ce.engine.sequence_layout import GroupChunk, SequenceTotals
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
@@ -318,26 +318,14 @@ class SequenceHead(TokenLogprobHead):
 
     def __init__(
         self,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
+        frame: HeadFrame,
         *,
         entropy: bool,
         evaluation: SequenceEvaluation,
         chunks: list[GroupChunk],
         num_classes: int | None = None,
     ) -> None:
-        super().__init__(
-            target,
-            valid,
-            vocab_start,
-            local_classes,
-            acc_dtype,
-            outputs=TokenOutputs(entropy=entropy),
-            num_classes=num_classes,
-        )
+        super().__init__(frame, outputs=TokenOutputs(entropy=entropy), num_classes=num_classes)
         self.evaluation, self.chunks, self.visited, self.rows_seen = evaluation, chunks, 0, 0
         # Each row's upstream gradients, written as its chunk is evaluated.
         self.grad_logprob = torch.zeros_like(self.logprob)
