@@ -1024,6 +1024,44 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         ),
         ("tests/test_machine_plan.py", "-k", "half_tile_step"),
     ),
+    Mutation(
+        "machine_plan",
+        "exponential: exp2 taken where it measured slower than exp",
+        _MACHINE,
+        (("        return known[key][0] > 1.0\n", "        return known[key][0] < 1.0\n"),),
+        ("tests/test_machine_plan.py", "-k", "exp_form"),
+    ),
+    Mutation(
+        "machine_plan",
+        "exponential: the plan ignores the measured or forced form",
+        "src/linear_ce/engine/plan.py",
+        (
+            (
+                "    exp2 = half_math and tuning.exp2(EXP_FLAG not in cpu_flags())\n",
+                "    exp2 = half_math\n",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "exp_form"),
+    ),
+    Mutation(
+        "machine_plan",
+        "half tile step measured without the per-step operations",
+        _MACHINE,
+        (("            for _ in range(STEP_ROW_OPS // 4):\n", "            for _ in range(0):\n"),),
+        ("tests/test_machine_plan.py", "-k", "step_measurement"),
+    ),
+    Mutation(
+        "machine_plan",
+        "half tile without gradients: every step's statistics over the chunk's first rows",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "at = start if two_sweeps or chunk_stats else 0",
+                "at = start if two_sweeps else 0",
+            ),
+        ),
+        ("tests/test_precision.py", "-k", "exp_forms"),
+    ),
 )
 
 MUTATIONS: tuple[Mutation, ...] = (

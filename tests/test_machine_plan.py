@@ -37,6 +37,7 @@ ENV = (
     machine.TILE_LAYOUT_ENV,
     machine.CLASS_BLOCK_ENV,
     machine.STEP_ROWS_ENV,
+    machine.EXP_ENV,
     "LINEAR_CE_NATIVE_HALF_GEMM",
 )
 
@@ -139,6 +140,7 @@ def test_memory_budget_scales_every_share(monkeypatch):
         (machine.TILE_LAYOUT_ENV, "col", "LINEAR_CE_TILE_LAYOUT must be one of class-major"),
         (machine.CLASS_BLOCK_ENV, "x", "LINEAR_CE_CLASS_BLOCK must be a positive number"),
         (machine.STEP_ROWS_ENV, "-2", "LINEAR_CE_STEP_ROWS must be a positive number"),
+        (machine.EXP_ENV, "e", "LINEAR_CE_EXP must be one of exp .*got 'e'"),
     ],
 )
 def test_bad_environment_values_are_clear_errors(monkeypatch, name, value, match):
@@ -313,6 +315,63 @@ def test_half_tile_step_measured(monkeypatch):
     assert make_plan(*BIG, torch.bfloat16, CPU, options).rows_per_step == 64
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no AMX", "AMX"])
+@pytest.mark.parametrize(
+    ("speedup", "spread", "expected"),
+    [(2.0, 1.01, True), (0.5, 1.01, False), (0.5, 1.5, None)],
+    ids=["exp2 faster", "exp faster", "unsteady: the fallback"],
+)
+def test_exp_form_measured(monkeypatch, speedup, spread, expected, amx):
+    """Half inputs' fp32 math forms ``eᵘ`` in the form that measured faster
+    (:func:`machine.exp_speedup`: exp2's rate over exp's); where the measurement was
+    unsteady or not taken (``LINEAR_CE_MEASURE=0``, a call too small to pay for it), the
+    fallback: ``exp`` on a CPU with AMX (``EXP_FLAG``), else ``exp2``. ``LINEAR_CE_EXP``
+    forces either; fp32 inputs never take ``exp2``."""
+    fallback = not amx
+    flags = frozenset({"avx512f", "amx_tile"} if amx else {"avx512f"})
+    monkeypatch.setattr("linear_ce.engine.plan.cpu_flags", lambda: flags)
+    monkeypatch.setenv(machine.MEASURE_ENV, "process")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "0")
+    monkeypatch.setattr(machine, "chunk_rates", _synthetic(lambda b, lay: 100.0))
+    monkeypatch.setattr(machine, "exp_speedup", lambda: [speedup, spread, 0.95])
+    options = LinearCrossEntropyOptions()
+    measured = fallback if expected is None else expected
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is measured
+    assert make_plan(64, 64, 100, torch.bfloat16, CPU, options).exp2 is fallback
+    assert make_plan(*BIG, torch.float32, CPU, options).exp2 is False
+    for forced, form in ((True, "exp2"), (False, "exp")):
+        monkeypatch.setenv(machine.EXP_ENV, form)
+        assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is forced
+    monkeypatch.delenv(machine.EXP_ENV)
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    assert make_plan(*BIG, torch.bfloat16, CPU, options).exp2 is fallback
+
+
+def test_step_measurement_counts_the_per_step_operations(monkeypatch):
+    """:func:`machine.step_rates` issues ``STEP_ROW_OPS`` small operations per step besides
+    its passes (what the loop and a head issue per step, whatever its rows): counted here
+    with a dispatch mode, so a change of the passes or of the count is seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(machine, "MEASURE_ROUNDS", 1)
+    counts = {}
+    for steps in ([64], [16]):
+        Count.calls = 0
+        with Count():
+            machine._quietly(machine.step_rates, torch.bfloat16, steps)
+        counts[steps[0]] = Count.calls
+    # 2 passes (warm-up, one round) over 64 rows: 2 steps of 64 rows against 8 of 16.
+    per_step = (counts[16] - counts[64]) / (8 - 2)
+    assert per_step >= machine.STEP_ROW_OPS, counts
+
+
 # --- the cache ----------------------------------------------------------------------------
 
 
@@ -466,6 +525,9 @@ CHOICES = {
     "upcast": {"LINEAR_CE_NATIVE_HALF_GEMM": "0", machine.TILE_LAYOUT_ENV: "row-major"},
     "native": {"LINEAR_CE_NATIVE_HALF_GEMM": "1"},
     "native-step-4": {"LINEAR_CE_NATIVE_HALF_GEMM": "1", machine.STEP_ROWS_ENV: "4"},
+    "native-exp": {"LINEAR_CE_NATIVE_HALF_GEMM": "1", machine.EXP_ENV: "exp"},
+    "native-exp2": {"LINEAR_CE_NATIVE_HALF_GEMM": "1", machine.EXP_ENV: "exp2"},
+    "upcast-exp": {"LINEAR_CE_NATIVE_HALF_GEMM": "0", machine.EXP_ENV: "exp"},
     "budget-small": {machine.MEMORY_BUDGET_ENV: "0.05"},
 }
 

@@ -20,7 +20,7 @@ from linear_ce import LinearCrossEntropyOptions
 from linear_ce.engine.accumulate import SplitSum
 from linear_ce.engine.capability import NATIVE_HALF_GEMM_ENV, native_half_gemm
 from linear_ce.engine.gemm import BlockUpcast, NativeHalf, SameDtype
-from linear_ce.engine.machine import STEP_ROWS_ENV
+from linear_ce.engine.machine import EXP_ENV, STEP_ROWS_ENV
 from linear_ce.engine.plan import make_plan
 from memory_probe import transient_peak
 
@@ -282,6 +282,102 @@ def test_half_tile_many_chunks_with_masked_rows_and_extras(reduction, monkeypatc
     for name, g, s, e in zip(("loss", "input", "weight", "bias"), got, same, exact, strict=True):
         bound = max(3 * eps(dtype), 2 * rel_err(s, e))
         assert rel_err(g, e) <= bound, f"{name}: {rel_err(g, e):.3g} > {bound:.3g}"
+
+
+#: (tensor, index, value) poisoned in :func:`test_exp_forms_with_non_finite_rows`.
+POISONED = [
+    None,
+    ("x", (3, 1), float("inf")),  # row 3: logits of both signs of infinity
+    ("x", (7, 0), float("-inf")),
+    ("b", (5,), float("-inf")),  # a masked class: finite unless it is a target
+    ("b", (slice(0, 50),), float("-inf")),  # every logit -inf
+    ("b", (9,), float("inf")),  # every row's max +inf
+]
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("path", ["half tile", "forced non-native"])
+@pytest.mark.parametrize("form", ["exp", "exp2"])
+def test_exp_forms_with_non_finite_rows(form, path, softcap, monkeypatch):
+    """Either form of ``eᵘ`` (``LINEAR_CE_EXP``: ``torch.exp`` or ``2^(u·log₂e)``, the
+    machine's measured choice) on the half tile (native bf16 GEMMs: 16-row chunks in 5-row
+    steps, the last step ragged) and on the path without native GEMMs (any CPU), a bias,
+    a quarter of the rows ignored, per-row upstream weights, and ±inf in an input row or
+    in the bias: the same NaN/±inf pattern as the plain expression in float64 for the
+    loss and every gradient, and finite entries within 3 eps or twice the plain bf16
+    expression's own error (its rounding of the logits, which both forms keep). The loss
+    under ``no_grad`` (statistics handed to the head per chunk) is the same, bit for bit."""
+    dtype = torch.bfloat16
+    monkeypatch.setenv(EXP_ENV, form)
+    if path == "half tile":
+        if not native_half_gemm(dtype, CPU):
+            pytest.skip("this CPU has no native bf16 GEMMs (no half tile)")
+        monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "1")
+        monkeypatch.setenv(STEP_ROWS_ENV, "5")
+    else:
+        monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "0")
+    rows, features, classes = 40, 8, 50
+    options = LinearCrossEntropyOptions(batch_chunk_size=16)
+    plan = make_plan(rows, features, classes, dtype, CPU, options)
+    assert plan.exp2 is (form == "exp2")
+    assert plan.rows_per_step == (5 if path == "half tile" else 16)
+    gen = torch.Generator().manual_seed(71)
+    for poison in POISONED:
+        x = torch.randn(rows, features, generator=gen, dtype=torch.float64).to(dtype)
+        W = (torch.randn(classes, features, generator=gen, dtype=torch.float64)).to(dtype)
+        b = torch.randn(classes, generator=gen, dtype=torch.float64).to(dtype)
+        if poison is not None:
+            where, index, value = poison
+            {"x": x, "W": W, "b": b}[where][index] = value
+        t = torch.randint(0, classes, (rows,), generator=gen)
+        t[torch.rand(rows, generator=gen) < 0.25] = -100
+        t[3] = 4  # the poisoned rows carry a target
+        t[7] = 2
+        up = torch.randn(rows, generator=gen, dtype=torch.float64)
+
+        # Ignored rows are never read: the plain expression runs on the carried rows, its
+        # loss and input gradient zero elsewhere (as the package's are).
+        carried = t != -100
+
+        def run(fn, dt, rows_of=None, x=x, W=W, b=b, t=t, up=up):
+            some = slice(None) if rows_of is None else rows_of
+            leaves = [v.detach().to(dt).requires_grad_() for v in (x[some], W, b)]
+            loss = fn(*leaves, t[some])
+            loss.backward(up[some].to(loss.dtype))
+            out = [loss.detach(), *(v.grad for v in leaves)]
+            for i in (0, 1) if rows_of is not None else ():
+                full = torch.zeros((rows, *out[i].shape[1:]), dtype=dt)
+                out[i] = full.index_put((rows_of,), out[i])
+            return out
+
+        def plain(x_, W_, b_, t_):
+            z = F.linear(x_, W_, b_) if softcap is None else _softcapped(x_, W_, b_, softcap)
+            return F.cross_entropy(z, t_, reduction="none")
+
+        def ours(x_, W_, b_, t_):
+            return linear_ce.linear_cross_entropy(
+                x_, W_, t_, linear_bias=b_, softcap=softcap, reduction="none", options=options
+            )
+
+        exact, same = run(plain, torch.float64, carried), run(plain, dtype, carried)
+        got = run(ours, dtype)
+        # Without gradients the half tile hands the head its statistics once per chunk,
+        # not per step: the same elementwise math on the same values, so the same bits.
+        with torch.no_grad():
+            forward = ours(x, W, b, t)
+        assert torch.equal(forward.isnan(), got[0].isnan()), f"{poison}: forward NaNs"
+        assert torch.equal(forward.nan_to_num(), got[0].nan_to_num()), f"{poison}: forward"
+        names = ("loss", "input", "weight", "bias")
+        for name, g, s, e in zip(names, got, same, exact, strict=True):
+            case = f"{poison} {name}"
+            g, e = g.double(), e.double()
+            for test in (torch.isnan, torch.isposinf, torch.isneginf):
+                assert torch.equal(test(g), test(e)), f"{case}: {test.__name__} {g} vs {e}"
+            finite = e.isfinite()
+            bound = max(3 * eps(dtype), 2 * rel_err(s.double()[finite], e[finite]))
+            assert rel_err(g[finite], e[finite]) <= bound, (
+                f"{case}: {rel_err(g[finite], e[finite]):.3g}"
+            )
 
 
 def test_half_tile_token_logprobs_forward_and_objective():

@@ -36,8 +36,14 @@ not cached: the process takes the fallback below. The choices:
 - **half tile step** (:meth:`Tuning.step_rows`): with native half GEMMs the chunk's
   logits live in a half tile whose fp32 math runs a step of rows at a time
   (:mod:`linear_ce.engine.chunk_loop`); the step is the largest candidate of ``STEP_CANDIDATES``
-  within ``TOLERANCE`` of the fastest (:func:`step_rates`), scaled to the call's classes
-  (the same bytes per step: what fits a core's cache).
+  within ``TOLERANCE`` of the fastest (:func:`step_rates`, its small per-step operations
+  included), scaled to the call's classes (the same bytes per step: what fits a core's
+  cache).
+- **exponential** (:meth:`Tuning.exp2`): half inputs' fp32 math forms ``eᵘ`` with
+  ``torch.exp`` or as ``2^(u·log₂e)``, whichever ran faster (:func:`exp_speedup`): torch's
+  ``exp2`` ran ~3.5× faster than its ``exp`` on a 2-core Zen 4, its ``exp`` ~2× faster than
+  ``mul`` + ``exp2`` on a 2-core Sapphire Rapids (0.19 against 0.40 ns per element, one
+  core, torch 2.13).
 - **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
   vocabulary pass before its rows are split into groups. A block of ``C`` classes against
   ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
@@ -53,8 +59,9 @@ fake tensors, and without ``torch.distributed`` initialised (the ranks of a
 vocabulary-parallel call must plan the same chunks, and each would measure its own
 rates). Everywhere else the plan takes the **fallback**, the fixed rule: the budget's
 longest chunks, a class-major tile, the half path the CPU's flags promise,
-``linear_ce.engine.plan.HALF_TILE_STEP_ROWS`` rows per step and ``linear_ce.engine.plan.MIN_CLASS_BLOCK``
-classes. Every choice changes how the work is split, never what is computed: results
+``linear_ce.engine.plan.HALF_TILE_STEP_ROWS`` rows per half tile step, ``torch.exp`` on a CPU with AMX
+(``linear_ce.engine.plan.EXP_FLAG``) and ``2^(u·log₂e)`` elsewhere, and
+``linear_ce.engine.plan.MIN_CLASS_BLOCK`` classes. Every choice changes how the work is split, never what is computed: results
 agree to rounding.
 
 Environment (read on every call; a bad value is a ``ValueError`` naming the variable):
@@ -78,6 +85,8 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   classes per block; ``auto`` or unset: measured.
 - ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
   measured.
+- ``LINEAR_CE_EXP``: ``exp`` or ``exp2`` forces how half inputs' fp32 math forms ``eᵘ``;
+  ``auto`` or unset: measured.
 - ``LINEAR_CE_NATIVE_HALF_GEMM`` (:mod:`linear_ce.engine.capability`): ``0`` forces the fp32
   path, ``1`` the native path wherever the flags allow it; ``auto`` or unset: measured.
 
@@ -114,6 +123,7 @@ __all__ = [
     "CANDIDATE_ROWS",
     "CHUNK_ROWS_ENV",
     "CLASS_BLOCK_ENV",
+    "EXP_ENV",
     "HALF_MIN_SPEEDUP",
     "MAX_MEASURE_FEATURES",
     "MEASURE_CLASSES",
@@ -125,10 +135,12 @@ __all__ = [
     "NOISE_LIMIT",
     "STEP_CANDIDATES",
     "STEP_ROWS_ENV",
+    "STEP_ROW_OPS",
     "TILE_LAYOUT_ENV",
     "TOLERANCE",
     "Tuning",
     "chunk_rates",
+    "exp_speedup",
     "half_gemm_pays",
     "half_speedup",
     "known_rates",
@@ -148,6 +160,7 @@ CHUNK_ROWS_ENV = "LINEAR_CE_CHUNK_ROWS"
 TILE_LAYOUT_ENV = "LINEAR_CE_TILE_LAYOUT"
 CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
 STEP_ROWS_ENV = "LINEAR_CE_STEP_ROWS"
+EXP_ENV = "LINEAR_CE_EXP"
 
 #: Chunk sizes measured. Above 1024 rows the weight-gradient GEMM's inner dimension is
 #: as long as a typical feature count and its rate flat, so larger chunks are taken as
@@ -170,10 +183,20 @@ STEP_CANDIDATES = (4, 8, 16, 32, 64)
 STEP_MEASURE_CLASSES = 32768
 #: Rows of the half block stepped through per candidate and round.
 STEP_MEASURE_ROWS = 64
-#: What :func:`step_rates` costs, counted as GEMM flops that take as long (~40 ms of
-#: elementwise work on one Sapphire Rapids core, where its AMX bf16 GEMMs run ~600 GFLOP/s):
-#: the gate of :func:`worth_measuring_steps`.
-STEP_MEASURE_FLOPS = 25e9
+#: Small operations on a step's row vectors that :func:`step_rates` issues per step, as the
+#: chunk loop and a cross-entropy head do (views, row statistics, the head's gathers and
+#: per-row outputs: 45–70 per step of a bf16 step counted with ``torch.profiler``, torch
+#: 2.13). They cost the same whatever the step's rows, so they are what a short step pays:
+#: measured without them a 2-core Sapphire Rapids picked 8-row steps, which ran a training
+#: step 1.095× its floor against 1.046× at 16 rows (one thread, CPU time).
+STEP_ROW_OPS = 48
+#: What :func:`step_rates` and :func:`exp_speedup` cost, counted as GEMM flops that take as
+#: long (~60 ms of elementwise work on one Sapphire Rapids core, where its AMX bf16 GEMMs
+#: run ~600 GFLOP/s): the gate of :func:`worth_measuring_steps`.
+STEP_MEASURE_FLOPS = 40e9
+#: Elements of the fp32 block :func:`exp_speedup` exponentiates (2 MiB: a step's tile that
+#: stays in a core's L2, as the chunk loop's does).
+EXP_MEASURE_ELEMENTS = 1 << 19
 #: Timed rounds per candidate, interleaved; the fastest round of each counts.
 MEASURE_ROUNDS = 3
 #: A candidate within this share of the best measured rate is as good as the best (the
@@ -200,7 +223,7 @@ MEASURE_RATIO = 8
 #: 1.14×, one thread, CPU time); emulated half GEMMs run 10–100× slower.
 HALF_MIN_SPEEDUP = 0.85
 #: Bumped when what is measured changes; older cache files are then measured again.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 _DTYPE_NAMES = {
     torch.float16: "float16",
@@ -283,6 +306,18 @@ def _forced_class_block() -> int | None:
 
 def _forced_step_rows() -> int | None:
     return _forced_count(STEP_ROWS_ENV, "rows (forcing a half tile's step)")
+
+
+def _forced_exp2() -> bool | None:
+    value = _env_choice(
+        EXP_ENV,
+        {
+            "exp": "e^u with torch.exp",
+            "exp2": "e^u as 2^(u log2 e) with torch.exp2",
+            "auto": "measured, the default",
+        },
+    )
+    return None if value == "auto" else value == "exp2"
 
 
 def _forced_layout() -> bool | None:
@@ -634,9 +669,11 @@ def half_speedup(dtype: torch.dtype, features: int) -> list[float]:
 def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
     """Measure a half tile's fp32 math (:mod:`linear_ce.engine.chunk_loop`) a step of each of
     ``steps`` rows at a time, over ``STEP_MEASURE_ROWS`` rows of ``STEP_MEASURE_CLASSES``
-    classes of ``dtype``: widen the step to fp32, row max, subtract, ``exp2``, row sums,
-    scale, write back (the passes a cross-entropy head makes). ``step -> [G elements/s,
-    spread, busy]``, the fastest of ``MEASURE_ROUNDS`` interleaved rounds after a warm-up."""
+    classes of ``dtype``: widen the step to fp32, row max, subtract, ``exp``, row sums,
+    scale, write back (the passes a cross-entropy head makes) and ``STEP_ROW_OPS`` small
+    operations on the step's row vectors (what the loop and a head issue per step). ``step
+    -> [G elements/s, spread, busy]``, the fastest of ``MEASURE_ROUNDS`` interleaved rounds
+    after a warm-up."""
     gen = torch.Generator().manual_seed(0)
     rows, classes = STEP_MEASURE_ROWS, STEP_MEASURE_CLASSES
     half = (torch.randn(rows, classes, generator=gen) / 4).to(dtype)
@@ -646,13 +683,17 @@ def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
     def pass_over(step: int) -> None:
         for start in range(0, rows, step):
             part = half[start : start + step]
-            u = tile[: part.shape[0]]
+            n = part.shape[0]
+            u = tile[:n]
             u.copy_(part)
             row_max = u.amax(dim=1)
             u.sub_(row_max[:, None])
-            torch.mul(u, 1.4426950408889634, out=u).exp2_()
-            torch.sum(u, dim=1, out=stats[: u.shape[0]])
-            u.div_(stats[: u.shape[0], None])
+            torch.exp(u, out=u)
+            sums = stats[:n]
+            torch.sum(u, dim=1, out=sums)
+            for _ in range(STEP_ROW_OPS // 4):
+                sums = torch.where(sums[:n] > 0, sums, row_max).mul(0.5)
+            u.div_(sums[:, None])
             part.copy_(u)
 
     for step in steps:
@@ -669,6 +710,32 @@ def step_rates(dtype: torch.dtype, steps: list[int]) -> dict[int, list[float]]:
         step: [rows * classes / 1e9 / clock.best((step,)), clock.spread((step,)), clock.busy()]
         for step in steps
     }
+
+
+def exp_speedup() -> list[float]:
+    """``[speedup, spread, busy]``: how many times faster ``2^(u·log₂e)`` (``torch.mul``, then
+    ``exp2_``) forms ``eᵘ`` than ``torch.exp`` over an fp32 block of ``EXP_MEASURE_ELEMENTS``
+    values in ``[−32, 0]`` (a step's ``u``), each written into a second block; the fastest
+    of ``MEASURE_ROUNDS`` interleaved rounds after a warm-up, the larger spread of the two."""
+    gen = torch.Generator().manual_seed(0)
+    u = -32 * torch.rand(EXP_MEASURE_ELEMENTS, generator=gen)
+    out = torch.empty_like(u)
+    forms = {
+        "exp": lambda: torch.exp(u, out=out),
+        "exp2": lambda: torch.mul(u, 1.4426950408889634, out=out).exp2_(),
+    }
+
+    def run_round(r: int) -> None:
+        for name in forms if r % 2 else reversed(forms):
+            # Enough repeats that a round takes milliseconds, not the timer's resolution.
+            clock.time((name,), lambda f=forms[name]: [f() for _ in range(8)])
+
+    for form in forms.values():
+        form()
+    clock = _Clock()
+    clock.rounds(run_round)
+    speedup = clock.best(("exp",)) / clock.best(("exp2",))
+    return [speedup, max(clock.spread((name,)) for name in forms), clock.busy()]
 
 
 def _quietly(fn, *args):
@@ -700,8 +767,9 @@ def known_rates(dtype: torch.dtype, features: int) -> dict:
     """What this process knows (measured or read from the disk cache) without measuring:
     ``{"chunk": {(rows, class_major): [logits, grad input, grad weight, all three,
     spread, busy]}, "half": [speedup, spread, busy] or None, "step": {rows: [G elements/s,
-    spread, busy]}}`` for GEMMs in ``dtype`` at ``features``
-    (the half entry: ``dtype``'s GEMMs against fp32's)."""
+    spread, busy]}, "exp2": [speedup, spread, busy] or None}`` for GEMMs in ``dtype`` at
+    ``features`` (the half entry: ``dtype``'s GEMMs against fp32's; the exp2 entry:
+    :func:`exp_speedup`)."""
     keys = {
         (b, layout): _key("chunk", dtype, features, _layout_name(layout), f"B{b}")
         for b in CANDIDATE_ROWS
@@ -709,11 +777,13 @@ def known_rates(dtype: torch.dtype, features: int) -> dict:
     }
     half_key = _key("half", dtype, features, f"B{HALF_MEASURE_ROWS}")
     steps = {b: _key("step", dtype, 0, f"B{b}") for b in STEP_CANDIDATES}
-    known = _STORE.get([*keys.values(), half_key, *steps.values()])
+    exp_key = _key("exp", torch.float32, 0)
+    known = _STORE.get([*keys.values(), half_key, *steps.values(), exp_key])
     return {
         "chunk": {case: known[k] for case, k in keys.items() if k in known},
         "half": known.get(half_key),
         "step": {b: known[k] for b, k in steps.items() if k in known},
+        "exp2": known.get(exp_key),
     }
 
 
@@ -821,6 +891,26 @@ class Tuning:
         best = max(b for b, r in rates.items() if r[0] >= (1 - TOLERANCE) * top)
         return max(1, best * STEP_MEASURE_CLASSES // max(classes, 1))
 
+    def exp2(self, fallback: bool) -> bool:
+        """Whether the chunk loop forms ``eᵘ`` as ``2^(u·log₂e)`` (``Plan.exp2``):
+        ``LINEAR_CE_EXP``, else where that measured faster than ``torch.exp``
+        (:func:`exp_speedup`, with the half tile's steps, :meth:`step_rows`), else
+        ``fallback``."""
+        forced = _forced_exp2()
+        if forced is not None:
+            return forced
+        if not (self.allowed and worth_measuring_steps(self.flops)):
+            return fallback
+        key = _key("exp", torch.float32, 0)
+        with _STORE.lock:
+            known = _STORE.get([key])
+            if key not in known:
+                _STORE.put({key: _quietly(exp_speedup)})
+                known = _STORE.get([key])
+        if not _steady(known[key]):
+            return fallback
+        return known[key][0] > 1.0
+
     def _smallest_near_best(self, rows: list[int]) -> int | None:
         """The fewest of ``rows`` whose GEMMs, each in its faster layout, run within
         ``TOLERANCE`` of the fastest; ``None`` if a measurement was unsteady."""
@@ -838,7 +928,7 @@ def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: f
     MAX_MEASURE_FEATURES)`` features."""
     # Every override is read here, so a bad value is an error on any call, not only on
     # the calls whose plan consults it.
-    _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows()
+    _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows(), _forced_exp2()
     allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
     return Tuning(allowed, dtype, min(features, MAX_MEASURE_FEATURES), float(flops))
 

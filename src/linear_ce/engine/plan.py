@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
+from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_gemm
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.engine.machine import half_gemm_pays, memory_budget, tuning_for
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
@@ -22,7 +22,9 @@ __all__ = [
     "BUDGET_SHARE",
     "DIRECT_SUM_MAX_CHUNKS",
     "DIVERGENCE_SHARE",
+    "EXP_FLAG",
     "HALF_CPU_BUDGET_SHARE",
+    "HALF_TILE_STEP_ROWS",
     "MEASURED_STRETCH",
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
@@ -74,12 +76,26 @@ DIVERGENCE_SHARE = 0.4
 #: added, 2 × 1024 rows).
 HALF_CPU_BUDGET_SHARE = 0.5
 #: Rows widened to fp32 at a time under a half tile (``Plan.rows_per_step``) where it is
-#: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`: the step whose fp32 math runs
-#: fastest, 8 rows at V=32768 on a Sapphire Rapids core, 41 against 65 ms per 1024 rows):
-#: the half tile carries the GEMMs, so its chunks can be 3× longer in the same bytes (2 per
-#: logit instead of an fp32 tile's 4 and its half copy's 2), while the fp32 math runs on
-#: steps of this many rows (16–64 within noise on a 2-core Zen 4).
+#: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`). The half tile carries the
+#: GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit instead of an fp32
+#: tile's 4 and its half copy's 2), while the fp32 math runs on steps of this many rows.
+#: Shorter steps stay in a core's L2 (16 rows at V=32768: 2 MiB of fp32) and ran a bf16
+#: training step at N=2048, F=1024, V=32768 faster on one idle Sapphire Rapids thread (CPU
+#: time: 1.046–1.087× its floor at 16 rows against 1.085–1.124× at 64, ``torch.exp``; 16–64
+#: rows within noise on a 2-core Zen 4), but each of a step's passes is a parallel region of
+#: its own: on the same 2 cores shared with ~10 other busy processes (load average 10–12)
+#: 16-row steps took the step to 4.9–7.7× the floor and the forward to 6–17×, where 64-row
+#: steps took 3.0× and 4.3×. So the fixed rule keeps 64 rows, and shorter steps are taken
+#: only where this machine measured them faster with its threads (``step_rates``, which a
+#: busy machine leaves unsteady, hence unused).
 HALF_TILE_STEP_ROWS = 64
+#: Where it is not measured (:meth:`linear_ce.engine.machine.Tuning.exp2`), half inputs'
+#: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag (AMX: a 2-core Sapphire
+#: Rapids ran ``torch.exp`` 2× faster than ``mul`` + ``exp2``, 0.19 against 0.40 ns per
+#: element; a bf16 step at N=2048, F=1024, V=32768 in 16-row steps 1.087× its floor against
+#: 1.137×, one thread, CPU time), else as ``2^(u·log₂e)`` (a 2-core Zen 4: ``exp2`` ~3.5×
+#: faster).
+EXP_FLAG = "amx_tile"
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
 #: (:meth:`linear_ce.engine.machine.Tuning.min_class_block`): the block's three GEMMs have
@@ -121,8 +137,11 @@ class Plan:
         gemm: how the three GEMMs are issued (see :mod:`linear_ce.engine.gemm`).
         policy: the resolved ``acc_policy``.
         exp2: form :math:`e^u` as :math:`2^{u \\log_2 e}` in the chunk loop: half inputs
-            with fp32 math on a CPU, where torch's ``exp2`` runs ~3.5× faster than its
-            ``exp`` (2-core Zen 4, AVX512: 2.8 against 10.3 ms per 16M elements). Its
+            with fp32 math on a CPU, where that measured faster than ``torch.exp``
+            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback, ``EXP_FLAG``:
+            on a 2-core Zen 4 with AVX512 torch's ``exp2`` ran ~3.5× faster than its
+            ``exp``, 2.8 against 10.3 ms per 16M elements; a Sapphire Rapids runs ``exp``
+            ~2× faster than ``mul`` + ``exp2``). Its
             relative error, ≤ ``|u|·2⁻²⁴`` (1.8e-6 over ``u ∈ [−30, 0]``), is ~2⁻¹² of a
             bf16 rounding and ~2⁻⁸ of an fp16 one.
     """
@@ -340,8 +359,9 @@ def make_plan(
     if that runs them faster (half inputs keep the budget's longest: their weight-gradient
     sum pays per chunk); the
     logits tile takes the layout the GEMMs run faster in; a half tile's fp32 math takes
-    the step of rows it runs fastest in; the vocabulary pass's fewest classes per block are
-    those its GEMMs reach full rate at.
+    the step of rows it runs fastest in, and half inputs' fp32 math the faster form of
+    :math:`e^u`; the vocabulary pass's fewest classes per block are those its GEMMs reach
+    full rate at.
 
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
@@ -350,7 +370,8 @@ def make_plan(
 
     ``half_tile``: with native half GEMMs on a CPU the chunk loop may keep a half tile
     (``Plan.rows_per_step``): chunks are planned for ``HALF_CPU_BUDGET_SHARE`` of the
-    gradients' bytes at 2 bytes per logit, with ``HALF_TILE_STEP_ROWS``-row fp32 steps
+    gradients' bytes at 2 bytes per logit, with ``HALF_TILE_STEP_ROWS``-row fp32 steps where
+    not measured
     (the weight-gradient sum then holds no chunk). ``False`` for a caller whose loop
     cannot use one (a companion head).
     """
@@ -376,7 +397,7 @@ def make_plan(
         gemm = BlockUpcast(acc_dtype)
     else:
         gemm = Upcast(acc_dtype)
-    exp2 = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
+    half_math = input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and device.type == "cpu"
     half = half_tile and not vocab_pass and isinstance(gemm, NativeHalf) and device.type == "cpu"
     # The default budget of a one-tile loop, which the machine's measurement may stretch.
     stretch = MEASURED_STRETCH if share is None and tiles == 1 and memory_budget() is None else 1.0
@@ -385,6 +406,7 @@ def make_plan(
     scale = (memory_budget() or BUDGET_SHARE) / BUDGET_SHARE
     share *= scale
     tuning = tuning_for(device, gemm.operand_dtype, in_features, flops)
+    exp2 = half_math and tuning.exp2(EXP_FLAG not in cpu_flags())
     weight_grad_dtype = input_dtype if policy == "compact" else acc_dtype
     if weight_grad_dtype == input_dtype:
         weight_grad = "direct"
