@@ -710,8 +710,8 @@ _VOCAB_PARALLEL: tuple[Mutation, ...] = (
         _DIVERGENCE_HEAD,
         (
             (
-                "            local_t = self.target[rows, p] - self.start\n            self.owned = (",
-                "            local_t = self.target[rows, p]\n            self.owned = (",
+                "self.frame.local_columns(self.target[rows, p])",
+                "self.frame.local_columns(self.target[rows, p] + self.frame.vocab_start)",
             ),
         ),
         ("tests/test_distributed_divergence.py",),

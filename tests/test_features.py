@@ -210,22 +210,15 @@ def test_batch_time_input_keeps_its_shape(reduction):
 
 
 def test_batch_time_input_is_not_copied():
-    from linear_ce.checks.call import check_call
+    from linear_ce.checks.call import HeadArguments, LossArguments, TransformArguments, check_call
 
     x = torch.randn(2, 6, 8)
     t = torch.randint(0, 11, (2, 6))
+    transform = TransformArguments(1.0, 1.0, None)
+    terms = LossArguments(None, "mean", 0.0, 0.0, None)
     for shift in (False, True):
-        call = check_call(
-            x,
-            torch.randn(11, 8),
-            t,
-            linear_bias=None,
-            weight=None,
-            reduction="mean",
-            ignore_index=None,
-            label_smoothing=0.0,
-            shift=shift,
-        )
+        head = HeadArguments(x, torch.randn(11, 8), t, None, None, shift)
+        call = check_call("linear_cross_entropy", head, transform, terms)
         assert call.input.data_ptr() == x.data_ptr()
         assert call.input.shape == (12, 8)
 

@@ -384,9 +384,9 @@ def test_mean_folded_into_the_gradients(kind, first, monkeypatch):
 
     upstream = []
 
-    def spy(ctx, needs, grad_loss, allow_retain_graph):
+    def spy(ctx, grad_loss):
         upstream.append(float(grad_loss))
-        return hand_over(ctx, needs, grad_loss, allow_retain_graph)
+        return hand_over(ctx, grad_loss)
 
     hand_over = op.hand_over_gradients
     monkeypatch.setattr(op, "hand_over_gradients", spy)

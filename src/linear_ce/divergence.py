@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import HeadArguments, TransformArguments
+from linear_ce.checks.call import HeadArguments, TransformArguments, gathered
 from linear_ce.checks.divergence import (
+    STUDENT_NAMES,
     DistillationArguments,
     DivergenceCall,
     TeacherArguments,
@@ -27,29 +28,18 @@ from linear_ce.parallel.shard import vocab_shard
 __all__ = ["linear_divergence", "vocab_parallel_linear_divergence"]
 
 _NAME = "linear_divergence"
+# linear_divergence's names for the teacher's fields (DTensor dispatch hands the call's
+# arguments over by name).
+_TEACHER = {field: f"teacher_{field}" for field in TeacherArguments._fields}
 
 
 def _counted_positions(arguments: Mapping[str, Any], num_classes: int) -> torch.Tensor:
     """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
     split along rows)."""
-    a = arguments
-    head = HeadArguments(
-        a["student_input"],
-        a["student_weight"],
-        a["target"],
-        a["student_bias"],
-        a["ignore_index"],
-        a["shift"],
-    )
-    transform = TransformArguments(a["temperature"], a["student_logit_scale"], a["student_softcap"])
-    teacher = TeacherArguments(
-        a["teacher_input"],
-        a["teacher_weight"],
-        a["teacher_bias"],
-        a["teacher_logit_scale"],
-        a["teacher_softcap"],
-    )
-    distillation = DistillationArguments(a["beta"], a["hard_weight"], a["reduction"])
+    head = gathered(HeadArguments, arguments, STUDENT_NAMES)
+    transform = gathered(TransformArguments, arguments, STUDENT_NAMES)
+    teacher = gathered(TeacherArguments, arguments, _TEACHER)
+    distillation = gathered(DistillationArguments, arguments)
     checked = check_divergence_call(
         _NAME, head, transform, teacher, distillation, num_classes=num_classes
     )

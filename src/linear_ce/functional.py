@@ -14,7 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from linear_ce.checks.call import Call, Caller, check_call, check_scale, with_scales
+from linear_ce.checks.call import (
+    Call,
+    HeadArguments,
+    LossArguments,
+    TransformArguments,
+    check_call,
+    gathered,
+)
 from linear_ce.engine.chunk_loop import Needs
 from linear_ce.engine.plan import reported_dtype
 from linear_ce.losses.cross_entropy import mean_denominator
@@ -53,35 +60,13 @@ def _promote_retain_graph() -> bool:
     return True
 
 
-def _checked(name: str, num_classes: int | None, **arguments: Any) -> Call:
-    """The call of a front's ``arguments``, checked and reshaped to rows; errors name
-    ``name``; ``num_classes`` is the whole vocabulary of a shard (``None``: no shard)."""
-    call = check_call(
-        arguments["input"],
-        arguments["linear_weight"],
-        arguments["target"],
-        linear_bias=arguments["linear_bias"],
-        weight=arguments["weight"],
-        reduction=arguments["reduction"],
-        ignore_index=arguments["ignore_index"],
-        label_smoothing=arguments["label_smoothing"],
-        z_loss=arguments["z_loss"],
-        softcap=arguments["softcap"],
-        shift=arguments["shift"],
-        token_weight=arguments["token_weight"],
-        num_classes=num_classes,
-        name=name,
-    )
-    logit_scale, temperature = arguments["logit_scale"], arguments["temperature"]
-    check_scale(Caller(name), "logit_scale", logit_scale)
-    check_scale(Caller(name), "temperature", temperature)
-    return with_scales(call, logit_scale, temperature)
-
-
 def _weight_total(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
     """What "mean" divides this rank's summed loss by (its rows' weights), for DTensor
     inputs split along rows."""
-    return mean_denominator(_checked(_NAME, num_classes, **{**arguments, "reduction": "sum"}))
+    head = gathered(HeadArguments, arguments)
+    transform = gathered(TransformArguments, arguments)
+    terms = gathered(LossArguments, {**arguments, "reduction": "sum"})
+    return mean_denominator(check_call(_NAME, head, transform, terms, num_classes=num_classes))
 
 
 def _result(
@@ -176,42 +161,16 @@ def vocab_parallel_linear_cross_entropy(
         >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
     """
 
-    shard = vocab_shard(
-        "vocab_parallel_linear_cross_entropy",
-        dict(
-            input=input,
-            linear_weight=linear_weight,
-            target=target,
-            linear_bias=linear_bias,
-            weight=weight,
-            token_weight=token_weight,
-        ),
-        "linear_weight",
-        process_group,
-        vocab_start,
-        num_classes,
-        out_features=True,
-    )
     name = "vocab_parallel_linear_cross_entropy"
-    options = resolve_options(options, name)
-    call = _checked(
-        name,
-        shard.total,
-        input=input,
-        linear_weight=linear_weight,
-        target=target,
-        linear_bias=linear_bias,
-        weight=weight,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        shift=shift,
-        token_weight=token_weight,
-        logit_scale=logit_scale,
-        temperature=temperature,
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)
+    tensors = {**head.tensors(), "weight": weight, "token_weight": token_weight}
+    shard = vocab_shard(
+        name, tensors, "linear_weight", process_group, vocab_start, num_classes, out_features=True
     )
+    options = resolve_options(options, name)
+    call = check_call(name, head, transform, terms, num_classes=shard.total)
     reported = reported_dtype(name, call.input, options, loss_dtype)
     loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported)
     return _result(loss, z_term, lse, call, return_z_loss, return_lse)
@@ -317,24 +276,10 @@ def linear_cross_entropy(
         >>> loss.backward()
     """
 
-    call = _checked(
-        _NAME,
-        None,
-        input=input,
-        linear_weight=linear_weight,
-        target=target,
-        linear_bias=linear_bias,
-        weight=weight,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        shift=shift,
-        token_weight=token_weight,
-        logit_scale=logit_scale,
-        temperature=temperature,
-    )
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    transform = TransformArguments(temperature, logit_scale, softcap)
+    terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)
+    call = check_call(_NAME, head, transform, terms)
     options = resolve_options(options, _NAME)
     reported = reported_dtype(_NAME, call.input, options, loss_dtype)
     if call.reduction == "none":

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linear_ce.checks.call import Caller, check_call, check_scale
+from linear_ce.checks.call import HeadArguments, LossArguments, TransformArguments, check_call
 from linear_ce.checks.targets import check_targets
-from linear_ce.engine.transform import LogitTransform
 from linear_ce.outputs import LinearCrossEntropyOutput
 
 __all__ = ["linear_cross_entropy"]
@@ -53,24 +52,11 @@ def linear_cross_entropy(
         >>> t = torch.tensor([1, 2, 3, -100])
         >>> loss = linear_cross_entropy(x, W, t)
     """
-    call = check_call(
-        input,
-        linear_weight,
-        target,
-        linear_bias=linear_bias,
-        weight=weight,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        shift=shift,
-        token_weight=token_weight,
-    )
-    caller = Caller("linear_cross_entropy")
-    check_scale(caller, "logit_scale", logit_scale)
-    check_scale(caller, "temperature", temperature)
-    transform = LogitTransform(logit_scale, call.softcap, temperature)
+    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
+    given = TransformArguments(temperature, logit_scale, softcap)
+    terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)
+    call = check_call("linear_cross_entropy", head, given, terms)
+    transform = call.transform
     rows, positions = call.input.shape[0], call.linear_weight.shape[1]
     num_classes = call.linear_weight.shape[0]
     # The chunked path's error, not torch's IndexError from inside cross_entropy.

@@ -15,16 +15,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch
 
 from linear_ce.engine.transform import LogitTransform
 
 __all__ = [
+    "PER_TOKEN",
     "Call",
     "Caller",
     "HeadArguments",
+    "LossArguments",
     "Shapes",
     "TransformArguments",
     "check_call",
@@ -49,9 +51,9 @@ __all__ = [
     "check_token_weight",
     "check_top1_rule",
     "check_z_loss",
+    "gathered",
     "shifted_target",
     "to_rows",
-    "with_scales",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -102,16 +104,6 @@ class Call:
     def transform(self) -> LogitTransform:
         """The logits transform of this call (:mod:`linear_ce.engine.transform`)."""
         return LogitTransform(self.logit_scale, self.softcap, self.temperature)
-
-
-def with_scales(call: Call, logit_scale: float, temperature: float) -> Call:
-    """``call`` with the logits transform's ``logit_scale`` and ``temperature`` set.
-
-    Written out rather than ``dataclasses.replace``, which torch 2.6's Dynamo cannot
-    trace on a ``Call`` (``hasattr`` of the dataclass fields on its class)."""
-    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
-    fields.update(logit_scale=float(logit_scale), temperature=float(temperature))
-    return Call(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,25 +468,76 @@ def to_rows(
     )
 
 
+class HeadArguments(NamedTuple):
+    """A call's head and rows as its public function received them (unchecked), in the
+    order of the public signatures; :func:`check_call` (:func:`check_token_call` for a
+    per-token call) checks them. A function without ``shift``
+    (:func:`linear_ce.token_logprobs_vjp`) leaves it ``False``."""
+
+    input: torch.Tensor
+    linear_weight: torch.Tensor
+    target: torch.Tensor
+    linear_bias: torch.Tensor | None
+    ignore_index: int | None
+    shift: bool | int = False
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The tensors, by their names (for :func:`linear_ce.parallel.shard.vocab_shard`)."""
+        return {
+            "input": self.input,
+            "linear_weight": self.linear_weight,
+            "target": self.target,
+            "linear_bias": self.linear_bias,
+        }
+
+
+class TransformArguments(NamedTuple):
+    """A call's logits transform as its public function received it (unchecked); checked,
+    it is the call's :class:`~linear_ce.engine.transform.LogitTransform`."""
+
+    temperature: float
+    logit_scale: float
+    softcap: float | None
+
+
+class LossArguments(NamedTuple):
+    """A cross-entropy call's loss terms as its public function received them (unchecked),
+    in the order of its signature. A per-token call has none: :data:`PER_TOKEN`."""
+
+    weight: torch.Tensor | None
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    token_weight: torch.Tensor | None
+
+
+#: The loss terms of a per-token call: one unweighted, unsmoothed loss per token.
+PER_TOKEN = LossArguments(None, "none", 0.0, 0.0, None)
+
+_Group = TypeVar("_Group", bound=tuple)
+
+
+def gathered(
+    group: type[_Group], arguments: Mapping[str, Any], renamed: Mapping[str, str] | None = None
+) -> _Group:
+    """A ``group`` of a call's arguments (a ``NamedTuple`` such as :class:`HeadArguments`),
+    from its public function's ``arguments`` by name, as DTensor dispatch hands them over;
+    ``renamed`` maps a field to the function's name for it."""
+    renamed = renamed or {}
+    return group(*(arguments[renamed.get(field, field)] for field in group._fields))
+
+
 def check_call(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
+    name: str,
+    head: HeadArguments,
+    transform: TransformArguments,
+    loss: LossArguments,
     *,
-    linear_bias: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    reduction: str,
-    ignore_index: int | None,
-    label_smoothing: float,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    shift: bool | int = False,
-    token_weight: torch.Tensor | None = None,
     num_classes: int | None = None,
-    name: str = "linear_cross_entropy",
     renamed: Mapping[str, str] | None = None,
 ) -> Call:
-    """Validate a ``linear_cross_entropy`` call and reshape it to rows (see :class:`Call`).
+    """Validate a ``linear_cross_entropy`` call (its ``head`` and rows, logits
+    ``transform`` and ``loss`` terms) and reshape it to rows (see :class:`Call`).
 
     ``num_classes`` is the whole vocabulary's ``C`` when ``linear_weight`` (and
     ``linear_bias``) hold a vocab-parallel shard of it (:mod:`linear_ce.distributed`):
@@ -504,13 +547,15 @@ def check_call(
     maps it to (see :class:`Caller`).
     """
     caller = _caller(name, renamed)
+    input, linear_weight, target, linear_bias, ignore_index, shift = head
+    weight, reduction, label_smoothing, z_loss, token_weight = loss
     tensors = {"input": input, "linear_weight": linear_weight, "target": target}
     extras = {"linear_bias": linear_bias, "weight": weight, "token_weight": token_weight}
     check_tensor_types(caller, tensors, extras)
     check_reduction(caller, reduction)
     check_label_smoothing(caller, label_smoothing)
     check_z_loss(caller, z_loss)
-    check_softcap(caller, softcap)
+    check_softcap(caller, transform.softcap)
     check_ignore_index(caller, ignore_index)
     shift = check_shift(caller, shift)
 
@@ -523,6 +568,8 @@ def check_call(
     check_class_weight(caller, weight, shapes.num_classes, input.dtype)
     check_token_weight(caller, token_weight, shapes.loss)
     check_shift_shape(caller, shift, shapes)
+    check_scale(caller, "logit_scale", transform.logit_scale)
+    check_scale(caller, "temperature", transform.temperature)
 
     resolved_ignore = DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index
     if not probability_target:
@@ -544,42 +591,13 @@ def check_call(
         ignore_index=resolved_ignore,
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
-        softcap=None if softcap is None else float(softcap),
+        softcap=None if transform.softcap is None else float(transform.softcap),
         loss_shape=shapes.loss,
         weight_shape=tuple(linear_weight.shape),
+        logit_scale=float(transform.logit_scale),
+        temperature=float(transform.temperature),
         name=name,
     )
-
-
-class HeadArguments(NamedTuple):
-    """A per-token call's head and rows as its public function received them (unchecked),
-    in the order of the public signatures; :func:`check_token_call` checks them. A function
-    without ``shift`` (:func:`linear_ce.token_logprobs_vjp`) leaves it ``False``."""
-
-    input: torch.Tensor
-    linear_weight: torch.Tensor
-    target: torch.Tensor
-    linear_bias: torch.Tensor | None
-    ignore_index: int
-    shift: bool | int = False
-
-    def tensors(self) -> dict[str, torch.Tensor | None]:
-        """The tensors, by their names (for :func:`linear_ce.parallel.shard.vocab_shard`)."""
-        return {
-            "input": self.input,
-            "linear_weight": self.linear_weight,
-            "target": self.target,
-            "linear_bias": self.linear_bias,
-        }
-
-
-class TransformArguments(NamedTuple):
-    """A call's logits transform as its public function received it (unchecked); checked,
-    it is the call's :class:`~linear_ce.engine.transform.LogitTransform`."""
-
-    temperature: float
-    logit_scale: float
-    softcap: float | None
 
 
 def check_token_call(
@@ -607,24 +625,7 @@ def check_token_call(
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         caller.fail(f"ignore_index must be an int, got {ignore_index!r}")
     check_flags(caller, flags or {})
-    call = check_call(
-        head.input,
-        linear_weight,
-        target,
-        linear_bias=head.linear_bias,
-        weight=None,
-        reduction="none",
-        ignore_index=ignore_index,
-        label_smoothing=0.0,
-        softcap=transform.softcap,
-        shift=head.shift,
-        num_classes=num_classes,
-        name=name,
-        renamed=renamed,
-    )
-    check_scale(caller, "logit_scale", transform.logit_scale)
-    check_scale(caller, "temperature", transform.temperature)
-    return with_scales(call, transform.logit_scale, transform.temperature)
+    return check_call(name, head, transform, PER_TOKEN, num_classes=num_classes, renamed=renamed)
 
 
 def check_flags(caller: Caller, flags: Mapping[str, object]) -> None:

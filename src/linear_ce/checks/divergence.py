@@ -22,6 +22,7 @@ from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 
 __all__ = [
+    "STUDENT_NAMES",
     "DistillationArguments",
     "DivergenceCall",
     "TeacherArguments",
@@ -32,7 +33,7 @@ __all__ = [
 
 # The student's head goes through the checks of a per-token call, whose arguments are
 # named for a single head; errors call them by the names linear_divergence gives them.
-_STUDENT_NAMES = {
+STUDENT_NAMES = {
     "input": "student_input",
     "linear_weight": "student_weight",
     "linear_bias": "student_bias",
@@ -206,13 +207,13 @@ def check_divergence_call(
     ...), its ``teacher``; ``num_classes`` is the whole vocabulary when the heads are
     vocab-parallel shards."""
 
-    caller = Caller(name, tuple(_STUDENT_NAMES.items()))
+    caller = Caller(name, tuple(STUDENT_NAMES.items()))
     beta, hard_weight, head = check_distillation(caller, distillation, head)
     if not isinstance(return_entropy, bool):
         caller.fail(f"return_entropy must be a bool, got {return_entropy!r}")
     check_softcap(caller, teacher.softcap, "teacher_softcap")
     check_scale(caller, "teacher_logit_scale", teacher.logit_scale)
-    call = check_token_call(name, head, transform, num_classes=num_classes, renamed=_STUDENT_NAMES)
+    call = check_token_call(name, head, transform, num_classes=num_classes, renamed=STUDENT_NAMES)
     batch = tuple(head.input.shape[:-1])
     checked_teacher = check_teacher(call, teacher, batch, name)
     teacher_transform = LogitTransform(

@@ -31,7 +31,7 @@ is held is the plan's ``weight_grad``:
 Example::
 
     >>> from linear_ce.engine.gemm import SameDtype
-    >>> acc = SplitSum((10, 1, 8), torch.bfloat16, SameDtype(torch.float32), "cpu")
+    >>> acc = SplitSum(torch.zeros(10, 1, 8, dtype=torch.bfloat16), SameDtype(torch.float32))
     >>> g, x = torch.randn(4, 10), torch.randn(4, 8)
     >>> acc.add(0, g, x)
     >>> acc.finish().dtype
@@ -54,7 +54,6 @@ __all__ = [
     "CACHE_BLOCK_ELEMENTS",
     "DirectSum",
     "SplitSum",
-    "WideSum",
     "weight_grad_sum",
 ]
 
@@ -65,14 +64,18 @@ CACHE_BLOCK_ELEMENTS = 1 << 18
 
 
 class DirectSum:
-    """Products added straight into the result (see module doc, ``"direct"``)."""
+    """Products added straight into ``buffer``, a ``(V, P, F)`` sum: the result itself
+    (see module doc, ``"direct"``), or a wider one rounded to ``result_dtype`` by
+    ``finish`` (``"wide"``). ``buffer`` need not be zeroed: a position's first product is
+    written, not added (one pass over ``(V, F)`` less: 23 ms of a 1.3 s bf16 step at
+    N=2048, F=1024, V=32768)."""
 
     def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, gemm: Gemm, device: torch.device
+        self, buffer: torch.Tensor, gemm: Gemm, result_dtype: torch.dtype | None = None
     ) -> None:
-        # Not zeroed: a position's first product is written, not added (one pass over
-        # (V, F) less: 23 ms of a 1.3 s bf16 step at N=2048, F=1024, V=32768).
-        self.sum = torch.empty(shape, dtype=dtype, device=device)
+        dtype = buffer.dtype
+        self.result_dtype = dtype if result_dtype is None else result_dtype
+        self.sum = buffer
         self.gemm = gemm
         self._started: set[int] = set()
         #: Whether each chunk's product is rounded to a half dtype: a scale of the result
@@ -110,8 +113,9 @@ class DirectSum:
                 acc[block].add_(product)
 
     def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum (times ``scale``, a 0-dim tensor)."""
-        return self._summed() if scale is None else self._summed().mul_(scale)
+        """The sum (times ``scale``, a 0-dim tensor) in the result dtype."""
+        summed = self._summed() if scale is None else self._summed().mul_(scale)
+        return summed.to(self.result_dtype)
 
     def _summed(self) -> torch.Tensor:
         """The sum, with positions that never got a product (no valid row) zeroed."""
@@ -121,40 +125,15 @@ class DirectSum:
         return self.sum
 
 
-class WideSum(DirectSum):
-    """A separate wide buffer, rounded to ``result_dtype`` by ``finish``."""
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        gemm: Gemm,
-        device: torch.device,
-        result_dtype: torch.dtype,
-    ) -> None:
-        super().__init__(shape, dtype, gemm, device)
-        self.result_dtype = result_dtype
-
-    def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The wide sum (times ``scale``, a 0-dim tensor) rounded to the result dtype."""
-        return super().finish(scale).to(self.result_dtype)
-
-
 class SplitSum:
-    """An fp32 sum held in a half result plus a low-order plane (see module doc)."""
+    """An fp32 sum held in ``result``, a zeroed half ``(V, P, F)`` tensor, plus a low-order
+    plane (see module doc)."""
 
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        gemm: Gemm,
-        device: torch.device,
-        *,
-        pair_chunks: bool = False,
-    ) -> None:
-        if dtype not in HALF_DTYPES:
-            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {dtype}")
-        self.result = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, result: torch.Tensor, gemm: Gemm, *, pair_chunks: bool = False) -> None:
+        if result.dtype not in HALF_DTYPES:
+            raise ValueError(f"SplitSum holds float16/bfloat16 results, got {result.dtype}")
+        shape, device = result.shape, result.device
+        self.result = result
         self.gemm = gemm
         self._high = self.result.view(torch.int16)
         self._low = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -243,7 +222,7 @@ class SplitSum:
 
 def weight_grad_sum(
     plan: Plan, shape: tuple[int, ...], device: torch.device
-) -> DirectSum | WideSum | SplitSum:
+) -> DirectSum | SplitSum:
     """The running sum the plan asks for (``plan.weight_grad``), for a ``(V, P, F)`` gradient."""
     if plan.weight_grad == "split":
         # Half products: holding one chunk costs B·(V + F) half elements, halves the passes;
@@ -252,7 +231,9 @@ def weight_grad_sum(
             plan.gemm.operand_dtype == plan.input_dtype
             and plan.rows_per_step == plan.rows_per_chunk
         )
-        return SplitSum(shape, plan.input_dtype, plan.gemm, device, pair_chunks=pair)
+        result = torch.zeros(shape, dtype=plan.input_dtype, device=device)
+        return SplitSum(result, plan.gemm, pair_chunks=pair)
     if plan.weight_grad == "wide":
-        return WideSum(shape, plan.weight_grad_dtype, plan.gemm, device, plan.input_dtype)
-    return DirectSum(shape, plan.input_dtype, plan.gemm, device)
+        wide = torch.empty(shape, dtype=plan.weight_grad_dtype, device=device)
+        return DirectSum(wide, plan.gemm, plan.input_dtype)
+    return DirectSum(torch.empty(shape, dtype=plan.input_dtype, device=device), plan.gemm)

@@ -43,12 +43,39 @@ import torch
 
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["Head", "KnownStatsHead", "RowStats", "Tile"]
+__all__ = ["Head", "HeadFrame", "KnownStatsHead", "RowStats", "Tile"]
 
 #: A tile of the loop: ``(B, C)`` values of one chunk's rows (``B``) and classes (``C``, the
 #: local vocabulary or a block of it) in the accumulation dtype: logits, their exponentials,
 #: a gradient. Any memory layout (class-major on a CPU).
 Tile = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadFrame:
+    """What every head of a call is built on: the rows' class indices ``target`` ``(N, P)``
+    (int64), which of them carry an output (``valid``, ``(N, P)`` bool), the slice of the
+    vocabulary the head sees, ``[vocab_start, vocab_start + local_classes)``, and the
+    accumulation dtype ``acc_dtype`` of its outputs. The op builds it once and hands it to
+    the head's constructor."""
+
+    target: torch.Tensor
+    valid: torch.Tensor
+    vocab_start: int
+    local_classes: int
+    acc_dtype: torch.dtype
+
+    def zeros(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A per-row output ``(N, P)`` of zeros, in ``acc_dtype`` unless ``dtype``."""
+        dtype = self.acc_dtype if dtype is None else dtype
+        return torch.zeros(self.valid.shape, dtype=dtype, device=self.target.device)
+
+    def local_columns(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(owned, column)`` of class ids ``ids``: whether each lies in this slice, and its
+        column in the slice's tiles (0 where it does not: a safe index, masked by ``owned``)."""
+        local = ids - self.vocab_start
+        owned = (local >= 0) & (local < self.local_classes)
+        return owned, torch.where(owned, local, 0)
 
 
 @dataclasses.dataclass

@@ -262,15 +262,7 @@ def memory_budget() -> float | None:
 
 
 def _forced_rows() -> int | None:
-    text = os.environ.get(CHUNK_ROWS_ENV, "auto").strip() or "auto"
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(
-            f"{CHUNK_ROWS_ENV} must be a positive number of rows per chunk (forcing the "
-            f"plan's choice) or auto (measured, the default); got {text!r}"
-        )
-    return int(text)
+    return _forced_count(CHUNK_ROWS_ENV, "rows per chunk (forcing the plan's choice)")
 
 
 def _forced_count(name: str, what: str) -> int | None:
@@ -763,11 +755,9 @@ class Tuning:
         candidates = [b for b in CANDIDATE_ROWS if b <= limit]
         if len(candidates) < 2 or not self.measures(limit):
             return cap
-        best = self._best_by_rows(candidates)
-        if best is None:
+        chosen = self._smallest_near_best(candidates)
+        if chosen is None:
             return cap
-        top = max(best.values())
-        chosen = min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
         return limit if chosen == candidates[-1] else chosen
 
     def forced_class_major(self) -> bool | None:
@@ -803,11 +793,8 @@ class Tuning:
         candidates = [b for b in CANDIDATE_ROWS if b <= fallback]
         if len(candidates) < 2 or not self.measures(fallback):
             return fallback
-        best = self._best_by_rows(candidates)
-        if best is None:
-            return fallback
-        top = max(best.values())
-        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
+        chosen = self._smallest_near_best(candidates)
+        return fallback if chosen is None else chosen
 
     def step_rows(self, classes: int, fallback: int) -> int:
         """Rows per step of a half tile's fp32 math for ``classes`` classes:
@@ -834,12 +821,15 @@ class Tuning:
         best = max(b for b, r in rates.items() if r[0] >= (1 - TOLERANCE) * top)
         return max(1, best * STEP_MEASURE_CLASSES // max(classes, 1))
 
-    def _best_by_rows(self, rows: list[int]) -> dict[int, float] | None:
-        """Each of ``rows``' rate in its faster layout; ``None`` if a measurement was unsteady."""
+    def _smallest_near_best(self, rows: list[int]) -> int | None:
+        """The fewest of ``rows`` whose GEMMs, each in its faster layout, run within
+        ``TOLERANCE`` of the fastest; ``None`` if a measurement was unsteady."""
         rates = measured_rates(self.dtype, self.features, rows)
         if not all(_steady(r) for r in rates.values()):
             return None
-        return {b: max(rates[(b, True)][3], rates[(b, False)][3]) for b in rows}
+        best = {b: max(rates[(b, True)][3], rates[(b, False)][3]) for b in rows}
+        top = max(best.values())
+        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)
 
 
 def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: float) -> Tuning:

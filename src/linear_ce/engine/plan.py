@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
     "ROW_MULTIPLE",
+    "ChunkCall",
     "Plan",
     "acc_dtype_for",
     "choose_chunk_rows",
@@ -143,19 +145,32 @@ def split_sum_supported(input_dtype: torch.dtype, acc_dtype: torch.dtype) -> boo
     return input_dtype in HALF_DTYPES and acc_dtype == torch.float32 and sys.byteorder == "little"
 
 
+class ChunkCall(NamedTuple):
+    """The call a chunk rule sizes chunks for: ``rows`` (``N``), ``in_features`` (``F``),
+    ``num_classes`` (``V``), the user's ``options``, the ``input_dtype`` and the dtype of
+    the loop's tiles ``tile_dtype``."""
+
+    rows: int
+    in_features: int
+    num_classes: int
+    options: LinearCrossEntropyOptions
+    input_dtype: torch.dtype
+    tile_dtype: torch.dtype
+
+    @property
+    def grad_bytes(self) -> int:
+        """The gradients' bytes ``(N + V)·F·itemsize``: the unit of the memory budget."""
+        return (self.rows + self.num_classes) * self.in_features * self.input_dtype.itemsize
+
+
 def choose_chunk_rows(
-    rows: int,
-    in_features: int,
-    num_classes: int,
-    options: LinearCrossEntropyOptions,
-    input_dtype: torch.dtype,
-    acc_dtype: torch.dtype,
+    call: ChunkCall,
     tiles: int = 1,
     share: float = BUDGET_SHARE,
     pick: Callable[[int, int], int] | None = None,
     stretch: float = 1.0,
 ) -> int:
-    """Rows per chunk, by the documented rule of ``options.chunking_method``.
+    """Rows per chunk of ``call``, by the documented rule of ``options.chunking_method``.
 
     ``"budget[:N]"`` (what ``"auto"`` means): the ``tiles`` ``(chunk, V)`` scratch
     buffers of the chunk loop (:func:`linear_ce.engine.chunk_loop.tiles_for`) may take ``share / N``
@@ -168,6 +183,7 @@ def choose_chunk_rows(
     to a multiple of ``ROW_MULTIPLE``, within the budget).
     ``"aspect_ratio[:N]"``: torch's rule, ``next_pow2(ceil(rows / ceil(V / F))) / N``.
     """
+    rows, in_features, num_classes, options = call[:4]
     if rows == 0:
         return 1
     if options.batch_chunk_size is not None:
@@ -179,8 +195,8 @@ def choose_chunk_rows(
         ratio = -(-num_classes // in_features)
         target = -(-rows // ratio)
         return max(1, min((1 << (target - 1).bit_length()) // divisor, rows))
-    grad_bytes = (rows + num_classes) * in_features * input_dtype.itemsize
-    row_bytes = num_classes * acc_dtype.itemsize * tiles
+    grad_bytes = call.grad_bytes
+    row_bytes = num_classes * call.tile_dtype.itemsize * tiles
     budget_rows = int(share * grad_bytes / divisor) // max(row_bytes, 1)
     chunk = _budgeted_rows(budget_rows, rows, divisor)
     if pick is not None:
@@ -210,18 +226,13 @@ def _evened(chunk: int, rows: int) -> int:
 
 
 def choose_vocab_blocks(
-    rows: int,
-    in_features: int,
-    num_classes: int,
-    options: LinearCrossEntropyOptions,
-    input_dtype: torch.dtype,
-    acc_dtype: torch.dtype,
+    call: ChunkCall,
     bytes_per_logit: float,
     bytes_per_row: float = 0.0,
     share: float = BUDGET_SHARE,
     min_class_block: int = MIN_CLASS_BLOCK,
 ) -> tuple[int, int]:
-    """``(rows per group, classes per block)`` of the vocabulary pass.
+    """``(rows per group, classes per block)`` of the vocabulary pass of ``call``.
 
     Its ``(rows, C)`` tiles take ``bytes_per_logit`` bytes per logit (the tiles, and a
     tile's operand copy where the GEMM operands have another dtype), its row buffers
@@ -235,10 +246,11 @@ def choose_vocab_blocks(
     ``"aspect_ratio"`` and ``None`` set the groups as they set the chunk loop's chunks.
     Blocks are rounded down to a multiple of ``CLASS_MULTIPLE``, within ``[1, V]``.
     """
+    rows, _, num_classes, options = call[:4]
     if rows == 0 or num_classes == 0:
         return 1, max(num_classes, 1)
     method, divisor = parse_chunking_method(options.chunking_method)
-    budget = share * (rows + num_classes) * in_features * input_dtype.itemsize / divisor
+    budget = share * call.grad_bytes / divisor
     budgeted = options.batch_chunk_size is None and method in ("auto", "budget")
     smallest = min_class_block * bytes_per_logit + bytes_per_row
     if budgeted:
@@ -246,7 +258,7 @@ def choose_vocab_blocks(
         if group * smallest > budget:
             group = _budgeted_rows(int(budget // smallest), rows, divisor)
     else:
-        group = choose_chunk_rows(rows, in_features, num_classes, options, input_dtype, acc_dtype)
+        group = choose_chunk_rows(call)
     classes = int(max(budget - group * bytes_per_row, 0) // (group * bytes_per_logit))
     if classes >= CLASS_MULTIPLE:
         classes -= classes % CLASS_MULTIPLE
@@ -392,12 +404,7 @@ def make_plan(
         if gemm.operand_dtype != input_dtype:
             per_row += in_features * gemm.operand_dtype.itemsize
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
-            rows,
-            in_features,
-            num_classes,
-            options,
-            input_dtype,
-            acc_dtype,
+            ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype),
             per_logit,
             per_row,
             BUDGET_SHARE * scale,
@@ -411,12 +418,7 @@ def make_plan(
 
         def chunk_rows(share: float) -> int:
             return choose_chunk_rows(
-                rows,
-                in_features,
-                num_classes,
-                options,
-                input_dtype,
-                tile_dtype,
+                ChunkCall(rows, in_features, num_classes, options, input_dtype, tile_dtype),
                 tile_count,
                 share,
                 pick,

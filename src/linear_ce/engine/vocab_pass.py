@@ -32,6 +32,7 @@ import torch
 
 from linear_ce.engine.chunk_loop import (
     Gradients,
+    Needs,
     add_grad_input_rows,
     tiles_for,
     without_autocast,
@@ -69,17 +70,8 @@ def vocab_pass_gradients(
         gathered=not bool(head.valid.all()),
     )
     need_x, need_w, need_b = needs
-    return run_vocab_pass(
-        input,
-        weight,
-        bias,
-        head,
-        transform,
-        plan,
-        grad_input=need_x,
-        grad_weight=need_w,
-        grad_bias=need_b and bias is not None,
-    )
+    asked = Needs(need_x, need_w, need_b and bias is not None)
+    return run_vocab_pass(input, weight, bias, head, transform, plan, asked)
 
 
 @without_autocast
@@ -90,14 +82,13 @@ def run_vocab_pass(
     head: KnownStatsHead,
     transform: LogitTransform,
     plan: Plan,
-    *,
-    grad_input: bool,
-    grad_weight: bool,
-    grad_bias: bool,
+    needs: Needs,
 ) -> Gradients:
-    """The gradients of ``head``'s loss (its upstream gradients folded in) for ``input``
-    ``(N, F)``, ``weight`` ``(V, P, F)`` and ``bias`` ``(V, P)``, in vocabulary blocks of
-    ``plan.classes_per_block`` classes and groups of ``plan.rows_per_chunk`` valid rows."""
+    """The gradients ``needs`` asks for of ``head``'s loss (its upstream gradients folded
+    in) for ``input`` ``(N, F)``, ``weight`` ``(V, P, F)`` and ``bias`` ``(V, P)``, in
+    vocabulary blocks of ``plan.classes_per_block`` classes and groups of
+    ``plan.rows_per_chunk`` valid rows."""
+    grad_input, grad_weight, grad_bias = needs
     rows, in_features = input.shape
     classes, positions, _ = weight.shape
     acc, device, gemm = plan.acc_dtype, input.device, plan.gemm

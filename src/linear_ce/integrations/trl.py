@@ -95,6 +95,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -148,6 +149,11 @@ _LOGPROB_ARGS = (
     "final_logit_softcapping",
     "logit_scale",
     "outputs",
+)
+#: TRL's call of its kernel (``ChunkedLogProbFunction.apply``): its arguments after ``ctx``,
+#: with the defaults of the kernel's own signature.
+_KernelCall = collections.namedtuple(
+    "_KernelCall", _LOGPROB_ARGS[1:], defaults=(None, 1.0, TRL_OUTPUTS)
 )
 _FUSED_HEAD_ARGS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
 # The globals of trl.trainer.utils the fused forward reads at each call: the two this
@@ -264,40 +270,22 @@ class _FusedHead:
     def __init__(self, options: LinearCrossEntropyOptions | None) -> None:
         self.options = options
 
-    def apply(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        chunk_size: int,
-        final_logit_softcapping: float | None = None,
-        logit_scale: float = 1.0,
-        outputs: tuple[str, ...] = TRL_OUTPUTS,
-    ) -> tuple[torch.Tensor | None, ...]:
+    def apply(self, *arguments: object, **by_name: object) -> tuple[torch.Tensor | None, ...]:
+        """The kernel's outputs for TRL's call: its arguments are those of
+        ``ChunkedLogProbFunction.forward`` after ``ctx`` (``_LOGPROB_ARGS``, which
+        :func:`patch` checks against the installed TRL)."""
+        call = _KernelCall(*arguments, **by_name)
         routed = routed_head(
-            hidden,
-            weight,
-            bias,
-            targets,
-            _compute_dtype(hidden, weight),
-            _transform(temperature, logit_scale, final_logit_softcapping),
+            call.hidden,
+            call.weight,
+            call.bias,
+            call.targets,
+            _compute_dtype(call.hidden, call.weight),
+            _transform(call.temperature, call.logit_scale, call.final_logit_softcapping),
         )
         if routed is not None:  # the policy forward of a DPO step on linear_ce's DPO loss
             return routed
-        return TokenLogprobsFunction.apply(
-            hidden,
-            weight,
-            bias,
-            targets,
-            temperature,
-            chunk_size,
-            final_logit_softcapping,
-            logit_scale,
-            outputs,
-            self.options,
-        )
+        return TokenLogprobsFunction.apply(*call, self.options)
 
 
 def _compact_everywhere(device: torch.device) -> bool:

@@ -31,74 +31,70 @@ the gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from linear_ce.engine.head import RowStats, Tile
+from linear_ce.engine.head import HeadFrame, RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["DivergenceHead"]
+__all__ = ["DistillationHead", "DistillationTerms", "DivergenceHead", "spans"]
 
 #: Vocabulary columns per step of the blocked passes (a few small scratch blocks).
 _BLOCK = 2048
 
 
-def _spans(columns: int) -> list[slice]:
-    """Consecutive ``_BLOCK``-column slices of ``range(columns)``."""
+def spans(columns: int) -> list[slice]:
+    """Consecutive slices of ``range(columns)``, a step of the blocked passes each."""
     return [slice(start, min(start + _BLOCK, columns)) for start in range(0, columns, _BLOCK)]
 
 
-class DivergenceHead:
-    """Writes ``loss`` ``(N, P)`` (the divergence plus ``hard_weight`` × cross-entropy,
-    zero on ignored rows) and, with ``entropy``, the student's entropy ``(N, P)``.
+@dataclasses.dataclass(frozen=True)
+class DistillationTerms:
+    """What a distillation loss is made of: ``beta`` (0: forward KL, 1: reverse KL,
+    between: the generalised JSD), ``hard_weight`` (the weight of the student's
+    cross-entropy against the target at temperature 1; 0: none), the student's
+    ``temperature``, and ``row_weight`` ``(N, P)``, the upstream gradient of each row's
+    loss (``None``: no gradient is formed)."""
 
-    ``row_weight`` ``(N, P)`` is the upstream gradient of each row's loss (``None``:
-    no gradient is formed).
-    """
+    beta: float
+    hard_weight: float
+    temperature: float
+    row_weight: torch.Tensor | None = None
 
-    def __init__(
-        self,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
-        *,
-        beta: float,
-        hard_weight: float,
-        temperature: float,
-        entropy: bool,
-        row_weight: torch.Tensor | None = None,
-    ) -> None:
-        self.target, self.valid = target, valid
-        self.start, self.local = vocab_start, local_classes
-        self.beta, self.hard, self.temperature = beta, hard_weight, temperature
+
+class DistillationHead:
+    """What the two distillation heads share: the divergence's mode, the hard term (its
+    target logit, its normaliser at temperature 1 where ``T != 1``, its loss and its
+    gradient), the named row sums, the ``loss`` ``(N, P)`` they write (zero on ignored
+    rows) and the scratch blocks of their blocked passes. A head numbers its own row sums
+    with :meth:`name_sums`."""
+
+    def __init__(self, frame: HeadFrame, terms: DistillationTerms) -> None:
+        self.frame, self.target, self.valid = frame, frame.target, frame.valid
+        beta, temperature = terms.beta, terms.temperature
+        self.beta, self.hard, self.temperature = beta, terms.hard_weight, temperature
+        self.row_weight = terms.row_weight
         self.mode = "forward" if beta == 0.0 else "reverse" if beta == 1.0 else "mixed"
-        self.hard_on = hard_weight > 0.0
+        self.hard_on = terms.hard_weight > 0.0
         # The hard term at temperature 1 needs its own normaliser unless T = 1.
         self.own_z1 = self.hard_on and temperature != 1.0
-        self.entropy_on = entropy
-        self.row_weight = row_weight
-        self.keeps_logits = self.mode == "mixed" or entropy
-        self.late_sums = 2 if self.mode == "mixed" else 0
-        names = ["z_t"]
-        if self.mode != "mixed":
-            names.append("cross")
-        if self.hard_on:
-            names.append("picked")
-        if self.own_z1:
-            names.append("z_1")
-        if entropy:
-            names.append("eu")
-        self.index = {name: i for i, name in enumerate(names)}
-        self.extra_sums = len(names)
-        device = target.device
-        self.loss = torch.zeros(valid.shape, dtype=acc_dtype, device=device)
-        self.entropy = torch.zeros(valid.shape, dtype=acc_dtype, device=device) if entropy else None
+        self.loss = frame.zeros()
         self._scratch: torch.Tensor | None = None
 
-    def _scratch_blocks(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
+    def name_sums(self, own: list[tuple[str, bool]]) -> None:
+        """Number the row sums the head adds to the loop's statistics: those of ``own``
+        (name, wanted) that are wanted, then the hard term's."""
+        wanted = [*own, ("picked", self.hard_on), ("z_1", self.own_z1)]
+        self.index = {name: i for i, name in enumerate(n for n, on in wanted if on)}
+        self.extra_sums = len(self.index)
+
+    def sum_of(self, out: torch.Tensor, name: str) -> torch.Tensor:
+        """The row sum ``name``'s column of ``out``."""
+        return out[:, self.index[name]]
+
+    def scratch_blocks(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
         """``count`` ``(B, _BLOCK)`` scratch blocks in ``like``'s layout."""
         rows = like.shape[0]
         have = self._scratch
@@ -114,18 +110,76 @@ class DivergenceHead:
             self._scratch = have
         return [have[i, :rows] for i in range(count)]
 
+    def pick_target(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
+        """The hard term's :math:`u_t` into its row sum (0 where another shard has the
+        target); nothing without the hard term."""
+        if not self.hard_on:
+            return
+        self.owned_t, column = self.frame.local_columns(self.target[rows, p])
+        self.safe_t = column[:, None]
+        torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned_t, out=self.sum_of(out, "picked"))
+
+    def with_hard_loss(
+        self, divergence: torch.Tensor, sums: torch.Tensor, log_zs: torch.Tensor
+    ) -> torch.Tensor:
+        r"""``divergence`` plus the hard term's cross-entropy, :math:`h(\log Z_1 - T u_t)`
+        (:math:`\log Z_1 = \log Z_s` where :math:`T = 1`)."""
+        if not self.hard_on:
+            return divergence
+        picked = self.sum_of(sums, "picked")
+        if self.own_z1:
+            self.z_1 = self.sum_of(sums, "z_1")
+            return divergence + self.hard * (self.z_1.log() - self.temperature * picked)
+        return divergence + self.hard * (log_zs - picked)
+
+    def add_hard_softmax(
+        self,
+        out: torch.Tensor,
+        e: torch.Tensor,
+        span: slice,
+        w: torch.Tensor,
+        first: torch.Tensor | None = None,
+    ) -> None:
+        """``out[:, span]`` (set to ``first · e`` first, when given) plus the hard term's
+        ``h T e^{Tu} / Z_1`` where ``Z_1`` is the student's own normaliser at temperature 1."""
+        (a,) = self.scratch_blocks(out, 1)
+        part = a[:, : span.stop - span.start]
+        if self.own_z1:
+            torch.pow(e[:, span], self.temperature, out=part)
+        if first is not None:
+            torch.mul(e[:, span], first, out=out[:, span])
+        if self.own_z1:
+            out[:, span].addcmul_(part, (w * self.hard * self.temperature / self.z_1)[:, None])
+
+    def add_hard_target(self, out: torch.Tensor, w: torch.Tensor) -> None:
+        """The hard term's :math:`-hT` (:math:`-h` where :math:`T = 1`) at each row's target
+        column, times the row's ``w``; nothing without the hard term."""
+        if self.hard_on:
+            onehot = -w * self.hard * (self.temperature if self.own_z1 else 1.0) * self.owned_t
+            out.scatter_add_(1, self.safe_t, onehot[:, None])
+
+
+class DivergenceHead(DistillationHead):
+    """Writes ``loss`` ``(N, P)`` (the divergence plus ``hard_weight`` × cross-entropy,
+    zero on ignored rows) and, with ``entropy``, the student's entropy ``(N, P)``."""
+
+    def __init__(self, frame: HeadFrame, terms: DistillationTerms, *, entropy: bool) -> None:
+        super().__init__(frame, terms)
+        self.entropy_on = entropy
+        self.keeps_logits = self.mode == "mixed" or entropy
+        self.late_sums = 2 if self.mode == "mixed" else 0
+        self.name_sums([("z_t", True), ("cross", self.mode != "mixed"), ("eu", entropy)])
+        self.entropy = frame.zeros() if entropy else None
+
     def companion_tile(self, t: Tile, rows: RowChunk, p: int) -> None:
         self.t = t
-
-    def _sum(self, out: torch.Tensor, name: str) -> torch.Tensor:
-        return out[:, self.index[name]]
 
     def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         t = self.t
         out.zero_()
-        z_t = self._sum(out, "z_t")
-        (a,) = self._scratch_blocks(u, 1)
-        for span in _spans(u.shape[1]):
+        z_t = self.sum_of(out, "z_t")
+        (a,) = self.scratch_blocks(u, 1)
+        for span in spans(u.shape[1]):
             part = a[:, : span.stop - span.start]
             t_blk, u_blk = t[:, span], u[:, span]
             if self.mode == "forward":
@@ -133,41 +187,37 @@ class DivergenceHead:
                 torch.sub(t_blk, u_blk, out=part)
                 t_blk.exp_()
                 z_t.add_(t_blk.sum(1))
-                self._sum(out, "cross").add_(part.mul_(t_blk).sum(1))
+                self.sum_of(out, "cross").add_(part.mul_(t_blk).sum(1))
             else:
                 z_t.add_(torch.exp(t_blk, out=part).sum(1))
                 if self.mode == "reverse":
                     # t ← u − v: the teacher's logits are not needed past their Z.
                     torch.sub(u_blk, t_blk, out=t_blk)
-        if self.hard_on:
-            local_t = self.target[rows, p] - self.start
-            self.owned = (local_t >= 0) & (local_t < self.local)
-            self.safe_t = torch.where(self.owned, local_t, 0)[:, None]
-            torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned, out=self._sum(out, "picked"))
+        self.pick_target(u, rows, p, out)
 
     def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if not (self.mode == "reverse" or self.own_z1 or self.entropy_on):
             return
-        (a,) = self._scratch_blocks(u, 1)
-        for span in _spans(u.shape[1]):
+        (a,) = self.scratch_blocks(u, 1)
+        for span in spans(u.shape[1]):
             part = a[:, : span.stop - span.start]
             e_blk = e[:, span]
             if self.mode == "reverse":
-                self._sum(out, "cross").add_(torch.mul(e_blk, self.t[:, span], out=part).sum(1))
+                self.sum_of(out, "cross").add_(torch.mul(e_blk, self.t[:, span], out=part).sum(1))
             if self.own_z1:
-                self._sum(out, "z_1").add_(torch.pow(e_blk, self.temperature, out=part).sum(1))
+                self.sum_of(out, "z_1").add_(torch.pow(e_blk, self.temperature, out=part).sum(1))
             if self.entropy_on:
-                self._sum(out, "eu").add_(torch.mul(e_blk, u[:, span], out=part).sum(1))
+                self.sum_of(out, "eu").add_(torch.mul(e_blk, u[:, span], out=part).sum(1))
 
     def sums_after_stats(self, u: Tile, e: Tile, stats: RowStats, out: torch.Tensor) -> None:
         # u ← log p − log r and t ← log q − log r; out = (Σ q (log q − log r), Σ e^u (log p − log r)).
         t, beta = self.t, self.beta
         log_zs = stats.log_sum_exp[:, None]
-        log_zt = self._sum(stats.sums, "z_t").log()[:, None]
+        log_zt = self.sum_of(stats.sums, "z_t").log()[:, None]
         log_beta, log_rest = math.log(beta), math.log1p(-beta)
         out.zero_()
-        a, b, c = self._scratch_blocks(u, 3)
-        for span in _spans(u.shape[1]):
+        a, b, c = self.scratch_blocks(u, 3)
+        for span in spans(u.shape[1]):
             width = span.stop - span.start
             pa, pb, pc = a[:, :width], b[:, :width], c[:, :width]
             t_blk, u_blk = t[:, span].sub_(log_zt), u[:, span].sub_(log_zs)
@@ -183,27 +233,20 @@ class DivergenceHead:
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         sums = stats.sums
         z_s, log_zs = stats.sum_exp, stats.log_sum_exp
-        z_t = self._sum(sums, "z_t")
+        z_t = self.sum_of(sums, "z_t")
         log_zt = z_t.log()
         self.z_t = z_t
         if self.mode == "forward":
-            divergence = self._sum(sums, "cross") / z_t - log_zt + log_zs
+            divergence = self.sum_of(sums, "cross") / z_t - log_zt + log_zs
         elif self.mode == "reverse":
-            self.mu = self._sum(sums, "cross") / z_s
+            self.mu = self.sum_of(sums, "cross") / z_s
             divergence = self.mu - log_zs + log_zt
         else:
             self.mean_g = stats.late[:, 1] / z_s
             divergence = self.beta * stats.late[:, 0] + (1.0 - self.beta) * self.mean_g
-        if self.hard_on:
-            picked = self._sum(sums, "picked")
-            if self.own_z1:
-                self.z_1 = self._sum(sums, "z_1")
-                divergence = divergence + self.hard * (self.z_1.log() - self.temperature * picked)
-            else:
-                divergence = divergence + self.hard * (log_zs - picked)
-        self.loss[rows, p] = divergence
+        self.loss[rows, p] = self.with_hard_loss(divergence, sums, log_zs)
         if self.entropy_on:
-            self.entropy[rows, p] = log_zs - self._sum(sums, "eu") / z_s
+            self.entropy[rows, p] = log_zs - self.sum_of(sums, "eu") / z_s
 
     def grad_tile(
         self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
@@ -216,8 +259,8 @@ class DivergenceHead:
             out = u
             c_s = (w * (1.0 + soft_hard) / z_s)[:, None]
             c_t = (-w / self.z_t)[:, None]
-            for span in _spans(u.shape[1]):
-                self._add_hard_softmax(out, e, span, w, first=c_s)
+            for span in spans(u.shape[1]):
+                self.add_hard_softmax(out, e, span, w, first=c_s)
                 out[:, span].addcmul_(self.t[:, span], c_t)
         else:
             if self.mode == "reverse":
@@ -230,28 +273,7 @@ class DivergenceHead:
             if soft_hard:
                 out.addcmul_(e, (w * soft_hard / z_s)[:, None])
             if self.own_z1:
-                for span in _spans(u.shape[1]):
-                    self._add_hard_softmax(out, e, span, w)
-        if self.hard_on:
-            onehot = -w * self.hard * (self.temperature if self.own_z1 else 1.0) * self.owned
-            out.scatter_add_(1, self.safe_t, onehot[:, None])
+                for span in spans(u.shape[1]):
+                    self.add_hard_softmax(out, e, span, w)
+        self.add_hard_target(out, w)
         return out
-
-    def _add_hard_softmax(
-        self,
-        out: torch.Tensor,
-        e: torch.Tensor,
-        span: slice,
-        w: torch.Tensor,
-        first: torch.Tensor | None = None,
-    ) -> None:
-        """``out[:, span]`` (set to ``first · e`` first, when given) plus the hard term's
-        ``h T e^{Tu} / Z_1`` where ``Z_1`` is the student's own normaliser at temperature 1."""
-        (a,) = self._scratch_blocks(out, 1)
-        part = a[:, : span.stop - span.start]
-        if self.own_z1:
-            torch.pow(e[:, span], self.temperature, out=part)
-        if first is not None:
-            torch.mul(e[:, span], first, out=out[:, span])
-        if self.own_z1:
-            out[:, span].addcmul_(part, (w * self.hard * self.temperature / self.z_1)[:, None])

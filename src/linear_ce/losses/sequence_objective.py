@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import HeadFrame, RowStats
 from linear_ce.engine.row_chunks import RowChunk, chunk_size
 from linear_ce.engine.sequence_layout import GroupChunk, SequenceTotals
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
@@ -347,11 +347,7 @@ class SequenceHead(TokenLogprobHead):
 
     def __init__(
         self,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
+        frame: HeadFrame,
         *,
         entropy: bool,
         evaluation: SequenceEvaluation,
@@ -359,15 +355,7 @@ class SequenceHead(TokenLogprobHead):
         num_classes: int | None = None,
         scaled_rows: bool = False,
     ) -> None:
-        super().__init__(
-            target,
-            valid,
-            vocab_start,
-            local_classes,
-            acc_dtype,
-            outputs=TokenOutputs(entropy=entropy),
-            num_classes=num_classes,
-        )
+        super().__init__(frame, outputs=TokenOutputs(entropy=entropy), num_classes=num_classes)
         self.evaluation, self.chunks, self.visited, self.rows_seen = evaluation, chunks, 0, 0
         # Each row's upstream gradients, written as its chunk is evaluated.
         self.grad_logprob = torch.zeros_like(self.logprob)
@@ -379,8 +367,8 @@ class SequenceHead(TokenLogprobHead):
         # The unit upstream of grad_tile with scaled_rows: a row's tile is δ_t − p.
         self.unit = torch.ones(
             max((c.size for c in chunks), default=0) if scaled_rows else 0,
-            dtype=acc_dtype,
-            device=valid.device,
+            dtype=frame.acc_dtype,
+            device=frame.valid.device,
         )
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:

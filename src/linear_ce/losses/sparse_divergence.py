@@ -52,13 +52,11 @@ import math
 
 import torch
 
-from linear_ce.engine.head import RowStats, Tile
+from linear_ce.engine.head import HeadFrame, RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
+from linear_ce.losses.divergence import DistillationHead, DistillationTerms, spans
 
 __all__ = ["SparseDivergenceHead", "SparseTeacher", "sparse_teacher"]
-
-#: Vocabulary columns per step of the hard term's blocked pass at temperature ≠ 1.
-_BLOCK = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,91 +119,39 @@ def sparse_teacher(
     )
 
 
-class SparseDivergenceHead:
+class SparseDivergenceHead(DistillationHead):
     """Writes ``loss`` ``(N, P)`` (the divergence plus ``hard_weight`` × cross-entropy,
-    zero on ignored rows). ``row_weight`` ``(N, P)`` is the upstream gradient of each
-    row's loss (``None``: no gradient is formed)."""
+    zero on ignored rows), the divergence against ``teacher``."""
 
     keeps_logits = False
 
-    def __init__(
-        self,
-        teacher: SparseTeacher,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
-        *,
-        beta: float,
-        hard_weight: float,
-        temperature: float,
-        row_weight: torch.Tensor | None = None,
-    ) -> None:
-        self.teacher, self.target, self.valid = teacher, target, valid
-        self.start, self.local = vocab_start, local_classes
-        self.beta, self.hard, self.temperature = beta, hard_weight, temperature
-        self.mode = "forward" if beta == 0.0 else "reverse" if beta == 1.0 else "mixed"
-        self.hard_on = hard_weight > 0.0
-        # The hard term at temperature 1 needs its own normaliser unless T = 1.
-        self.own_z1 = self.hard_on and temperature != 1.0
+    def __init__(self, teacher: SparseTeacher, frame: HeadFrame, terms: DistillationTerms) -> None:
+        super().__init__(frame, terms)
+        self.teacher = teacher
         # R (and the zeroed support) is needed unless the rest's terms vanish: forward
         # KL against a teacher without residual.
         self.zeroes_support = teacher.rest or self.mode != "forward"
-        self.row_weight = row_weight
-        names = []
-        if self.zeroes_support:
-            names.append("rest")
-        if self.hard_on:
-            names.append("picked")
-        if self.own_z1:
-            names.append("z_1")
-        self.index = {name: i for i, name in enumerate(names)}
-        self.extra_sums = len(names)
+        self.name_sums([("rest", self.zeroes_support)])
         self.late_sums = 2 if self.mode == "mixed" else 1
-        self.loss = torch.zeros(valid.shape, dtype=acc_dtype, device=target.device)
-        self._scratch: torch.Tensor | None = None
-
-    def _sum(self, out: torch.Tensor, name: str) -> torch.Tensor:
-        return out[:, self.index[name]]
-
-    def _block(self, like: torch.Tensor) -> torch.Tensor:
-        """A ``(B, _BLOCK)`` scratch block in ``like``'s layout (class-major on CPU: a
-        row-major block written from class-major operands runs several times slower)."""
-        rows = like.shape[0]
-        have = self._scratch
-        if have is None or have.shape[0] < rows:
-            if like.stride(0) == 1:
-                have = torch.empty((_BLOCK, rows), dtype=like.dtype, device=like.device).T
-            else:
-                have = torch.empty((rows, _BLOCK), dtype=like.dtype, device=like.device)
-            self._scratch = have
-        return have[:rows]
 
     def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         self.rows = rows
-        local = self.teacher.ids[rows] - self.start
-        self.owned = (local >= 0) & (local < self.local)
-        self.safe = torch.where(self.owned, local, 0)
+        self.owned, self.safe = self.frame.local_columns(self.teacher.ids[rows])
         self.u_k = u.gather(1, self.safe)
-        if self.hard_on:
-            local_t = self.target[rows, p] - self.start
-            self.owned_t = (local_t >= 0) & (local_t < self.local)
-            self.safe_t = torch.where(self.owned_t, local_t, 0)[:, None]
-            torch.mul(u.gather(1, self.safe_t)[:, 0], self.owned_t, out=self._sum(out, "picked"))
+        self.pick_target(u, rows, p, out)
 
     def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         if self.own_z1:
-            z_1 = self._sum(out, "z_1").zero_()
-            block = self._block(e)
-            for start in range(0, e.shape[1], _BLOCK):
-                part = e[:, start : start + _BLOCK]
-                z_1.add_(torch.pow(part, self.temperature, out=block[:, : part.shape[1]]).sum(1))
+            z_1 = self.sum_of(out, "z_1").zero_()
+            (block,) = self.scratch_blocks(e, 1)
+            for span in spans(e.shape[1]):
+                part = block[:, : span.stop - span.start]
+                z_1.add_(torch.pow(e[:, span], self.temperature, out=part).sum(1))
         if self.zeroes_support:
             # x + (-x) is exactly 0, and a masked slot adds 0 to the class it points at.
             e_k = e.gather(1, self.safe)
             e.scatter_add_(1, self.safe, torch.where(self.owned, -e_k, 0.0))
-            torch.sum(e, dim=1, out=self._sum(out, "rest"))
+            torch.sum(e, dim=1, out=self.sum_of(out, "rest"))
 
     def sums_after_stats(self, u: Tile, e: Tile, stats: RowStats, out: torch.Tensor) -> None:
         teacher, rows, owned = self.teacher, self.rows, self.owned
@@ -230,7 +176,7 @@ class SparseDivergenceHead:
         r_t = teacher.r_t[rows]
         self.r_t, self.total = r_t, teacher.total[rows]
         if self.zeroes_support:
-            rest = self._sum(stats.sums, "rest")
+            rest = self.sum_of(stats.sums, "rest")
             self.rest, self.has_rest = rest, rest > 0
             log_rs = rest.log() - log_z
             r_s = rest / z
@@ -249,14 +195,7 @@ class SparseDivergenceHead:
             self.mean_g = late[:, 1] + torch.where(self.has_rest, r_s * self.g_rest, 0.0)
             teacher_side = late[:, 0] + torch.where(r_t > 0, r_t * (r_t.log() - log_mr), 0.0)
             divergence = beta * teacher_side + (1.0 - beta) * self.mean_g
-        if self.hard_on:
-            picked = self._sum(stats.sums, "picked")
-            if self.own_z1:
-                self.z_1 = self._sum(stats.sums, "z_1")
-                divergence = divergence + self.hard * (self.z_1.log() - self.temperature * picked)
-            else:
-                divergence = divergence + self.hard * (log_z - picked)
-        self.loss[rows, p] = divergence
+        self.loss[rows, p] = self.with_hard_loss(divergence, stats.sums, log_z)
 
     def grad_tile(
         self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
@@ -288,12 +227,8 @@ class SparseDivergenceHead:
         outside = outside * w
         if self.own_z1:
             # The hard term's softmax at temperature 1, e^{Tu} / Z_1, next to the scaling.
-            hard = (w * self.hard * self.temperature / self.z_1)[:, None]
-            block = self._block(e)
-            for start in range(0, e.shape[1], _BLOCK):
-                part = e[:, start : start + _BLOCK]
-                powered = torch.pow(part, self.temperature, out=block[:, : part.shape[1]])
-                part.mul_(outside[:, None]).addcmul_(powered, hard)
+            for span in spans(e.shape[1]):
+                self.add_hard_softmax(e, e, span, w, first=outside[:, None])
             if self.zeroes_support:
                 log_z1 = self.z_1.log()[:, None]
                 slot = slot + self.hard * self.temperature * torch.exp(
@@ -302,7 +237,5 @@ class SparseDivergenceHead:
         else:
             e.mul_(outside[:, None])
         e.scatter_add_(1, self.safe, torch.where(self.owned, slot * w[:, None], 0.0))
-        if self.hard_on:
-            onehot = -w * self.hard * (self.temperature if self.own_z1 else 1.0) * self.owned_t
-            e.scatter_add_(1, self.safe_t, onehot[:, None])
+        self.add_hard_target(e, w)
         return e

@@ -53,7 +53,7 @@ import math
 
 import torch
 
-from linear_ce.engine.head import RowStats, Tile
+from linear_ce.engine.head import HeadFrame, RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
@@ -95,20 +95,17 @@ class TokenLogprobHead:
 
     def __init__(
         self,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
+        frame: HeadFrame,
         *,
         outputs: TokenOutputs,
         num_classes: int | None = None,
         grad_logprob: torch.Tensor | None = None,
         grad_entropy: torch.Tensor | None = None,
     ) -> None:
+        target, valid, acc_dtype = frame.target, frame.valid, frame.acc_dtype
         self.target, self.valid = target, valid
-        self.start, self.local = vocab_start, local_classes
-        self.num_classes = local_classes if num_classes is None else num_classes
+        self.start, self.local = frame.vocab_start, frame.local_classes
+        self.num_classes = frame.local_classes if num_classes is None else num_classes
         self.entropy_on = outputs.entropy or grad_entropy is not None
         self.top1_on = outputs.top1
         self.top1_rule = outputs.top1_rule

@@ -15,49 +15,44 @@ could not flow.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from linear_ce.engine.head import RowStats
+from linear_ce.engine.head import HeadFrame, RowStats
 from linear_ce.engine.row_chunks import RowChunk
 from linear_ce.losses.token_logprob import TokenLogprobHead, TokenOutputs
 
-__all__ = ["ObjectiveHead", "other_leaf"]
+__all__ = ["ObjectiveHead", "TokenObjective", "other_leaf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenObjective:
+    """A token objective as a call gives it: ``function(logprob, entropy, **side)``, whether
+    it reads the entropy, its per-token ``side`` inputs ``(N, P)`` and the public function
+    called (``name``: the objective's errors name it)."""
+
+    function: Callable[..., torch.Tensor]
+    entropy: bool
+    side: dict[str, torch.Tensor]
+    name: str
 
 
 class ObjectiveHead(TokenLogprobHead):
     """Accumulates ``total`` (the objective summed over valid tokens, float64) and per-chunk
-    upstream gradients. ``side`` maps names to ``(N, P)`` per-token tensors, sliced
-    and compacted like the tokens before they reach ``objective``."""
+    upstream gradients. The objective's ``side`` inputs are sliced and compacted like the
+    tokens before they reach it. ``grad_mode``: the call runs with autograd;
+    ``differentiate``: a gradient is wanted."""
 
     def __init__(
-        self,
-        target: torch.Tensor,
-        valid: torch.Tensor,
-        vocab_start: int,
-        local_classes: int,
-        acc_dtype: torch.dtype,
-        *,
-        objective: Callable[..., torch.Tensor],
-        entropy: bool,
-        side: dict[str, torch.Tensor],
-        name: str,
-        grad_mode: bool,
-        differentiate: bool,
+        self, frame: HeadFrame, objective: TokenObjective, *, grad_mode: bool, differentiate: bool
     ) -> None:
-        super().__init__(
-            target,
-            valid,
-            vocab_start,
-            local_classes,
-            acc_dtype,
-            outputs=TokenOutputs(entropy=entropy),
-        )
-        self.objective, self.side, self.name = objective, side, name
+        super().__init__(frame, outputs=TokenOutputs(entropy=objective.entropy))
+        self.objective, self.side, self.name = objective.function, objective.side, objective.name
         self.grad_mode, self.differentiate = grad_mode, differentiate
         # A scalar: summed in float64 so the chunk sums do not round against each other.
-        self.total = torch.zeros((), dtype=torch.float64, device=target.device)
+        self.total = torch.zeros((), dtype=torch.float64, device=frame.target.device)
         self.chunk_grads: list[torch.Tensor | None] = [None, None]
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:

@@ -29,6 +29,7 @@ from linear_ce.ops.schema import OpSchema
 
 __all__ = [
     "Forward",
+    "HandOver",
     "OnArguments",
     "OnVocab",
     "Run",
@@ -36,6 +37,7 @@ __all__ = [
     "gradient_outputs",
     "hand_over",
     "hand_over_gradients",
+    "hand_over_of",
     "keep_gradients",
     "reduce_rows",
     "register_by_reduction",
@@ -62,22 +64,29 @@ def fake_gradient_outputs(
     )
 
 
-def keep_gradients(
-    ctx: Any,
-    grads: Sequence[torch.Tensor | None],
-    needs: Needs,
-    allow_retain_graph: bool,
-) -> None:
+class HandOver(NamedTuple):
+    """How the gradients a scalar loss formed in forward are handed over in backward:
+    which of (input, weight, bias) were formed (``needs``), whether a second backward may
+    read them (``allow_retain_graph``), and the public function called (``name``, which a
+    second backward's error names)."""
+
+    needs: Needs
+    allow_retain_graph: bool
+    name: str
+
+
+def keep_gradients(ctx: Any, grads: Sequence[torch.Tensor | None], hand: HandOver) -> None:
     """Keep the gradients (input, weight, bias) a scalar loss formed in forward for
-    :func:`hand_over`."""
+    :func:`hand_over`, as ``hand`` says."""
     # Unused outputs (a z-loss, lse, the stored gradients) must not get zero-filled
     # gradients: for grad_weight that is a (V, F) allocation and fill per backward.
     ctx.set_materialize_grads(False)
-    ctx.needs, ctx.allow_retain_graph = needs, allow_retain_graph
+    ctx.hand_over = hand
     # Detached: the stored gradients are outputs of this node; keeping them
     # attached would make node -> ctx -> tensor -> grad_fn -> node a cycle.
     ctx.grads = [
-        None if g is None or not need else g.detach() for g, need in zip(grads, needs, strict=True)
+        None if g is None or not need else g.detach()
+        for g, need in zip(grads, hand.needs, strict=True)
     ]
 
 
@@ -85,21 +94,22 @@ def hand_over(ctx: Any, grad_loss: torch.Tensor | None) -> tuple[torch.Tensor | 
     """The gradients :func:`keep_gradients` kept, scaled by ``grad_loss``."""
     if grad_loss is None:
         return (None, None, None)
-    return tuple(hand_over_gradients(ctx, ctx.needs, grad_loss, ctx.allow_retain_graph))
+    return tuple(hand_over_gradients(ctx, grad_loss))
 
 
-def hand_over_gradients(
-    ctx: Any, needs: tuple[bool, ...], grad_loss: torch.Tensor, allow_retain_graph: bool
-) -> list[torch.Tensor | None]:
+def hand_over_gradients(ctx: Any, grad_loss: torch.Tensor) -> list[torch.Tensor | None]:
     """The gradients stored in ``ctx.grads`` by forward, scaled by the scalar upstream
-    gradient. Without ``allow_retain_graph`` the stored buffers are scaled in place (or
-    handed over as they are, where the upstream gradient is a CPU scalar equal to 1) and
-    released, so a second backward raises instead of returning wrong numbers."""
+    gradient, as ``ctx.hand_over`` (a :class:`HandOver`) says. Without
+    ``allow_retain_graph`` the stored buffers are scaled in place (or handed over as they
+    are, where the upstream gradient is a CPU scalar equal to 1) and released, so a second
+    backward raises, naming the public function called, instead of returning wrong
+    numbers."""
     stored = ctx.grads
+    needs, allow_retain_graph, name = ctx.hand_over
     if any(need and g is None for g, need in zip(stored, needs, strict=True)):
         raise RuntimeError(
-            "linear_cross_entropy: backward ran twice through a graph whose gradients were "
-            "already handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) "
+            f"{name}: backward ran twice through a graph whose gradients were already "
+            "handed over; pass options=LinearCrossEntropyOptions(allow_retain_graph=True) "
             "to backward more than once"
         )
     # A traced backward (AOT autograd) cannot express handing a forward output over
@@ -160,6 +170,12 @@ def reduce_rows(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torc
     return total / valid.sum() if reduction == "mean" else total
 
 
+def hand_over_of(args: Any) -> HandOver:
+    """The :class:`HandOver` of an op's arguments ``args`` (its schema's ``NamedTuple``:
+    its ``needs``, ``allow_retain_graph`` and ``name``)."""
+    return HandOver(args.needs, args.allow_retain_graph, args.name)
+
+
 def register_by_reduction(op: Any, schema: OpSchema) -> None:
     """The autograd of an op whose ``reduction`` argument decides it: "mean"/"sum" form
     the gradients in forward and hand them over; "none" recomputes them in backward
@@ -169,7 +185,7 @@ def register_by_reduction(op: Any, schema: OpSchema) -> None:
         args = schema.unflatten(inputs)
         ctx.scalar = args.reduction != "none"
         if ctx.scalar:
-            keep_gradients(ctx, output[-3:], args.needs, args.allow_retain_graph)
+            keep_gradients(ctx, output[-3:], hand_over_of(args))
             return
         ctx.set_materialize_grads(False)
         schema.save(ctx, args)
@@ -196,11 +212,10 @@ class Forward(NamedTuple):
 
 class Run(Protocol):
     """A family's forward and backward bodies on one call, for :class:`OnVocab`: a run
-    whose forward forms the gradients has the ``needs`` and ``allow_retain_graph`` of
-    their hand-over and no ``backward``; any other has ``backward``."""
+    whose forward forms the gradients has their ``hand_over`` and no ``backward``; any
+    other has ``backward``."""
 
-    needs: Needs
-    allow_retain_graph: bool
+    hand_over: HandOver
 
     def forward(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -222,20 +237,16 @@ class Run(Protocol):
 @dataclasses.dataclass(frozen=True)
 class OnArguments:
     """The part of a :class:`Run` that an op's arguments ``args`` (its schema's
-    ``NamedTuple``) give on ``vocab``: the hand-over's ``needs`` and
-    ``allow_retain_graph`` are the call's own, and :meth:`on` puts the tensors
-    :class:`OnVocab` passes in place of the call's."""
+    ``NamedTuple``) give on ``vocab``: the hand-over is the call's own
+    (:func:`hand_over_of`), and :meth:`on` puts the tensors :class:`OnVocab` passes in
+    place of the call's."""
 
     args: Any
     vocab: Vocab
 
     @property
-    def needs(self) -> Needs:
-        return self.args.needs
-
-    @property
-    def allow_retain_graph(self) -> bool:
-        return self.args.allow_retain_graph
+    def hand_over(self) -> HandOver:
+        return hand_over_of(self.args)
 
     def on(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fields):
         """``args`` with these three tensors (and any other ``fields``) in their places."""
@@ -251,9 +262,7 @@ class OnVocab(torch.autograd.Function):
         ctx.run, ctx.formed = run, result.gradients is not None
         if ctx.formed:
             grads = result.gradients
-            keep_gradients(
-                ctx, (grads.input, grads.weight, grads.bias), run.needs, run.allow_retain_graph
-            )
+            keep_gradients(ctx, (grads.input, grads.weight, grads.bias), run.hand_over)
         else:
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(

@@ -31,9 +31,11 @@ from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.cross_entropy import CrossEntropyHead, RowTerms, row_terms
 from linear_ce.ops.autograd import (
     Forward,
+    HandOver,
     OnVocab,
     gradient_outputs,
     hand_over,
+    hand_over_of,
     keep_gradients,
 )
 from linear_ce.ops.schema import OpSchema, PlanOptions
@@ -80,46 +82,31 @@ class CrossEntropyArguments(NamedTuple):
         allow_retain_graph: bool = False,
     ) -> CrossEntropyArguments:
         return cls(
-            call.input,
-            call.linear_weight,
-            call.linear_bias,
-            call.target,
-            call.class_weight,
-            call.token_weight,
-            None,
-            call.probability_target,
-            call.reduction,
-            call.ignore_index,
-            call.label_smoothing,
-            call.z_loss,
-            call.transform,
-            PlanOptions.of(options),
-            allow_retain_graph,
-            needs,
-            call.name,
+            **{name: getattr(call, name) for name in _FROM_CALL},
+            grad_output=None,
+            transform=call.transform,
+            options=PlanOptions.of(options),
+            allow_retain_graph=allow_retain_graph,
+            needs=needs,
         )
 
     def call(self) -> Call:
         """The :class:`Call` these arguments came from."""
+        transform = self.transform
         return Call(
-            input=self.input,
-            linear_weight=self.linear_weight,
-            target=self.target,
-            linear_bias=self.linear_bias,
-            class_weight=self.class_weight,
-            token_weight=self.token_weight,
-            probability_target=self.probability_target,
-            reduction=self.reduction,
-            ignore_index=self.ignore_index,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            softcap=self.transform.softcap,
+            **{name: getattr(self, name) for name in _FROM_CALL},
+            softcap=transform.softcap,
             loss_shape=tuple(self.target.shape),
             weight_shape=tuple(self.linear_weight.shape),
-            logit_scale=self.transform.logit_scale,
-            temperature=self.transform.temperature,
-            name=self.name,
+            logit_scale=transform.logit_scale,
+            temperature=transform.temperature,
         )
+
+
+#: The arguments that are the :class:`Call`'s fields of the same name.
+_FROM_CALL = tuple(
+    field.name for field in dataclasses.fields(Call) if field.name in CrossEntropyArguments._fields
+)
 
 
 def run_cross_entropy(
@@ -232,7 +219,7 @@ chunked_rows = SCHEMA.define("chunked_rows", 6, _rows_kernel, _fake)
 
 def _scalar_setup_context(ctx, inputs, output):
     args = SCHEMA.unflatten(inputs)
-    keep_gradients(ctx, output[3:], args.needs, args.allow_retain_graph)
+    keep_gradients(ctx, output[3:], hand_over_of(args))
 
 
 def _scalar_backward(ctx, grad_loss, *_unused):
@@ -263,8 +250,8 @@ class _OnShard:
     loss_dtype: torch.dtype
 
     @property
-    def allow_retain_graph(self) -> bool:
-        return self.options.allow_retain_graph
+    def hand_over(self) -> HandOver:
+        return HandOver(self.needs, self.options.allow_retain_graph, self.call.name)
 
     def _on(self, input, weight, bias) -> Call:
         return dataclasses.replace(self.call, input=input, linear_weight=weight, linear_bias=bias)

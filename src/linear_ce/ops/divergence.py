@@ -17,16 +17,17 @@ on shards of both heads' vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from linear_ce.checks.targets import check_class_indices
 from linear_ce.engine.chunk_loop import Companion, Gradients, Needs, tiles_for
+from linear_ce.engine.head import HeadFrame
 from linear_ce.engine.plan import DIVERGENCE_SHARE, acc_dtype_for, make_plan
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
-from linear_ce.losses.divergence import DivergenceHead
+from linear_ce.losses.divergence import DistillationTerms, DivergenceHead
 from linear_ce.ops.autograd import (
     Forward,
     OnArguments,
@@ -38,12 +39,16 @@ from linear_ce.ops.autograd import (
     row_weight,
 )
 from linear_ce.ops.schema import OpSchema, PlanOptions, run_head_on
+from linear_ce.options import LinearCrossEntropyOptions
 
 __all__ = [
     "SCHEMA",
+    "Distillation",
     "DivergenceArguments",
+    "distillation",
     "divergence",
     "divergence_on_shard",
+    "fake_distillation",
     "mean_gradient_scale",
 ]
 
@@ -92,6 +97,53 @@ def mean_gradient_scale(
     return "sum", torch.where(count == 0, 0.0, 1.0 / count)
 
 
+class Distillation(NamedTuple):
+    """Where a distillation op's body starts (:func:`distillation`): how it runs, its
+    accumulation dtype, the rows that count, the gradients it forms, the factor of its
+    gradient sums (a mean's ``1/count``, or ``None``), and its head's frame and terms."""
+
+    options: LinearCrossEntropyOptions
+    acc: torch.dtype
+    valid: torch.Tensor
+    needs: Needs
+    grad_scale: torch.Tensor | None
+    frame: HeadFrame
+    terms: DistillationTerms
+
+
+def distillation(args: Any, vocab: Vocab) -> Distillation:
+    """The start of a distillation op's body (``args``: its schema's arguments, with the
+    student's head, ``target``, ``grad_rows``, the divergence and the reduction) on the
+    vocabulary ``vocab``. Gradients are formed for a scalar loss and in a ``"none"``
+    backward (``grad_rows`` given); nothing is checked here."""
+    options = args.options.as_options()
+    acc = acc_dtype_for(args.input.dtype, options.acc_dtype)
+    valid = args.target != args.ignore_index
+    needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
+    weighted, grad_scale = mean_gradient_scale(valid, args.reduction, acc)
+    weight = row_weight(valid, weighted, args.grad_rows, acc) if any(needs) else None
+    frame = HeadFrame(args.target.long(), valid, vocab.start, args.linear_weight.shape[0], acc)
+    terms = DistillationTerms(args.beta, args.hard_weight, args.transform.temperature, weight)
+    return Distillation(options, acc, valid, needs, grad_scale, frame, terms)
+
+
+def fake_distillation(args: Any, entropy: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """A distillation op's fake result: the loss (0-d, or per row for ``"none"``), the
+    student's entropy where the op returns one (``entropy`` not ``None``: per row where
+    ``True``, else empty), and the three gradient slots."""
+    input = args.input
+    acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
+    scalar = args.reduction != "none"
+    needs = args.needs.when(scalar or args.grad_rows is not None)
+    rows = args.target.shape
+    entropies = () if entropy is None else (input.new_empty(rows if entropy else (0,), dtype=acc),)
+    return (
+        input.new_empty(() if scalar else rows, dtype=acc),
+        *entropies,
+        *fake_gradient_outputs(input, args.linear_weight, needs),
+    )
+
+
 def run_divergence(
     args: DivergenceArguments, vocab: Vocab
 ) -> tuple[torch.Tensor, torch.Tensor, Gradients]:
@@ -100,28 +152,12 @@ def run_divergence(
     gradients; ``"none"``: the row losses, and with ``grad_rows`` their gradients
     weighted by it (the input's summed over the vocabulary's shards). The student's
     entropy is empty unless asked for."""
-    target, input = args.target, args.input
     # The target picks the rows that count, and with hard_weight > 0 holds their labels:
     # a value that is neither a class nor ignore_index is a mistake either way.
-    check_class_indices(target, args.ignore_index, vocab.total, args.name)
-    options = args.options.as_options()
-    acc = acc_dtype_for(input.dtype, options.acc_dtype)
-    valid = target != args.ignore_index
-    needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
-    weighted, grad_scale = mean_gradient_scale(valid, args.reduction, acc)
-    weight = row_weight(valid, weighted, args.grad_rows, acc)
-    head = DivergenceHead(
-        target.long(),
-        valid,
-        vocab.start,
-        args.linear_weight.shape[0],
-        acc,
-        beta=args.beta,
-        hard_weight=args.hard_weight,
-        temperature=args.transform.temperature,
-        entropy=args.entropy,
-        row_weight=weight if any(needs) else None,
-    )
+    check_class_indices(args.target, args.ignore_index, vocab.total, args.name)
+    run = distillation(args, vocab)
+    options, needs = run.options, run.needs
+    head = DivergenceHead(run.frame, run.terms, entropy=args.entropy)
     # The teacher's plan gives its GEMM backend (its dtype may differ from the student's).
     teacher_plan = make_plan(
         args.teacher_input.shape[0],
@@ -148,11 +184,11 @@ def run_divergence(
         vocab,
         needs,
         companion=teacher,
-        grad_scale=grad_scale,
+        grad_scale=run.grad_scale,
         share=DIVERGENCE_SHARE,
     )
-    loss = reduce_rows(head.loss, valid, args.reduction)
-    entropy = head.entropy if args.entropy else input.new_empty((0,), dtype=acc)
+    loss = reduce_rows(head.loss, run.valid, args.reduction)
+    entropy = head.entropy if args.entropy else args.input.new_empty((0,), dtype=run.acc)
     return loss, entropy, grads
 
 
@@ -168,15 +204,7 @@ def _kernel(args: DivergenceArguments) -> tuple[torch.Tensor, ...]:
 
 
 def _fake(args: DivergenceArguments) -> tuple[torch.Tensor, ...]:
-    input, weight, target = args.input, args.linear_weight, args.target
-    acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
-    scalar = args.reduction != "none"
-    needs = args.needs.when(scalar or args.grad_rows is not None)
-    return (
-        input.new_empty(() if scalar else target.shape, dtype=acc),
-        input.new_empty(target.shape if args.entropy else (0,), dtype=acc),
-        *fake_gradient_outputs(input, weight, needs),
-    )
+    return fake_distillation(args, args.entropy)
 
 
 SCHEMA = OpSchema(DivergenceArguments)

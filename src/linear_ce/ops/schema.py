@@ -62,17 +62,10 @@ class PlanOptions(NamedTuple):
 
     @classmethod
     def of(cls, options: LinearCrossEntropyOptions) -> PlanOptions:
-        return cls(
-            options.batch_chunk_size, options.chunking_method, options.acc_policy, options.acc_dtype
-        )
+        return cls(*(getattr(options, name) for name in cls._fields))
 
     def as_options(self) -> LinearCrossEntropyOptions:
-        return LinearCrossEntropyOptions(
-            batch_chunk_size=self.batch_chunk_size,
-            chunking_method=self.chunking_method,
-            acc_policy=self.acc_policy,
-            acc_dtype=self.acc_dtype,
-        )
+        return LinearCrossEntropyOptions(**self._asdict())
 
 
 def run_head_on(

@@ -32,6 +32,7 @@ from linear_ce.checks.call import Call
 from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
 from linear_ce.engine.gemm import NativeHalf
+from linear_ce.engine.head import HeadFrame
 from linear_ce.engine.machine import memory_budget
 from linear_ce.engine.plan import (
     BUDGET_SHARE,
@@ -47,7 +48,7 @@ from linear_ce.engine.vocab import Vocab
 from linear_ce.engine.vocab_pass import vocab_pass_gradients
 from linear_ce.losses.sequence_objective import Metrics, SequenceEvaluation, SequenceHead
 from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHead, TokenOutputs
-from linear_ce.ops.autograd import hand_over_gradients
+from linear_ce.ops.autograd import HandOver, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = ["GROUP_BUDGET_FACTOR", "SequenceSpec", "sequence_objective_op"]
@@ -172,11 +173,7 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
     plan = dataclasses.replace(plan, rows_per_chunk=max(1, max(c.size for c in chunks)))
     plan = _no_direct_sum_overflow(plan, len(chunks))
     head = SequenceHead(
-        call.target.long(),
-        layout.valid,
-        spec.vocab.start,
-        weight.shape[0],
-        acc,
+        HeadFrame(call.target.long(), layout.valid, spec.vocab.start, weight.shape[0], acc),
         entropy=spec.entropy,
         evaluation=evaluation,
         chunks=chunks,
@@ -207,11 +204,7 @@ def _four_gemm(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Grad
     call, layout = spec.call, spec.layout
     target = call.target.long()
     head = TokenLogprobHead(
-        target,
-        layout.valid,
-        spec.vocab.start,
-        weight.shape[0],
-        acc,
+        HeadFrame(target, layout.valid, spec.vocab.start, weight.shape[0], acc),
         outputs=TokenOutputs(entropy=spec.entropy),
         num_classes=spec.vocab.total,
     )
@@ -266,8 +259,7 @@ class _SequenceObjective(torch.autograd.Function):
         # The gradients are the mean's already where the evaluation folded its count in.
         ctx.grad_scale = (evaluation.folded_count or 1) / evaluation.count if mean else 1.0
         ctx.grads = [grads.input, grads.weight, grads.bias]
-        ctx.needs = spec.needs
-        ctx.allow_retain_graph = spec.options.allow_retain_graph
+        ctx.hand_over = HandOver(spec.needs, spec.options.allow_retain_graph, spec.name)
         logprob_sum = evaluation.logprob_sum.to(acc)
         ctx.mark_non_differentiable(logprob_sum)
         return (evaluation.total * scale).to(acc), logprob_sum
@@ -276,7 +268,7 @@ class _SequenceObjective(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, _grad_logprob_sum):
         upstream = grad_loss if ctx.grad_scale == 1.0 else grad_loss * ctx.grad_scale
-        scaled = hand_over_gradients(ctx, ctx.needs, upstream, ctx.allow_retain_graph)
+        scaled = hand_over_gradients(ctx, upstream)
         return (*scaled, None, None)
 
 

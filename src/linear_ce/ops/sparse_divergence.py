@@ -23,7 +23,6 @@ import torch
 
 from linear_ce.checks.targets import check_class_indices
 from linear_ce.engine.chunk_loop import Gradients, Needs
-from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.losses.sparse_divergence import SparseDivergenceHead, sparse_teacher
@@ -31,13 +30,11 @@ from linear_ce.ops.autograd import (
     Forward,
     OnArguments,
     OnVocab,
-    fake_gradient_outputs,
     gradient_outputs,
     reduce_rows,
     register_by_reduction,
-    row_weight,
 )
-from linear_ce.ops.divergence import mean_gradient_scale
+from linear_ce.ops.divergence import distillation, fake_distillation
 from linear_ce.ops.schema import OpSchema, PlanOptions, run_head_on
 
 __all__ = [
@@ -108,52 +105,40 @@ def check_sparse_targets(
     if not any(flags):
         return
 
-    def first(mask: torch.Tensor) -> tuple[int, ...]:
-        return tuple(int(i) for i in mask.nonzero()[0])
-
-    if flags[0]:
-        row, slot = first(bad_id)
-        raise ValueError(
-            f"{name}: target_ids holds {int(ids[row, slot])} at position {row} (counting the "
-            f"leading dimensions flattened), slot {slot}: outside [0, {num_classes}) (the "
-            f"vocabulary) and not -1 (an empty slot)"
-        )
-    if flags[1]:
-        row, slot = first(bad_value)
-        raise ValueError(
-            f"{name}: target_logprobs is {float(lp[row, slot])} at position {row} (leading "
-            f"dimensions flattened), slot {slot}; expected log-probabilities: finite, or -inf "
-            f"for an empty slot"
-        )
-    if flags[2]:
-        row, slot = first(repeated)
-        raise ValueError(
-            f"{name}: target_ids repeats id {int(ordered[row, slot + 1])} at position {row} "
-            f"(leading dimensions flattened); each id may fill one slot of a position (mark "
-            f"unused slots with id -1 or log-probability -inf)"
-        )
-    if flags[3]:
-        (row,) = first(over)
-        raise ValueError(
-            f"{name}: target_logprobs at position {row} (leading dimensions flattened) sum to "
-            f"{math.exp(float(log_total[row])):.6g} in probability, above 1; expected the "
-            f"teacher's log-probabilities (log_softmax of its logits), not its logits"
-        )
-    if flags[4]:
-        (row,) = first(no_slot)
-        raise ValueError(
-            f"{name}: position {row} (leading dimensions flattened) counts (its target is not "
-            f"ignore_index) but every slot of it is empty (id -1 or log-probability -inf): "
-            f"with mass='renormalize' the teacher has no distribution there; mark the position "
-            f"ignored in target, or use mass='rest'"
-        )
-    (row,) = first(no_rest)
-    raise ValueError(
-        f"{name}: beta=1 (reverse KL) with mass='rest' is infinite at position {row} (leading "
-        f"dimensions flattened): its target_logprobs leave no probability outside the top-k "
-        f"(they sum to {math.exp(float(log_total[row])):.6g}) while the student has classes "
-        f"there; use beta < 1 (the JSD stays finite)"
-    )
+    kind = flags.index(True)
+    # The first offending position (and slot, for the per-slot checks).
+    row, *slot = (int(i) for i in masks[kind].nonzero()[0])
+    position = f"position {row} (leading dimensions flattened)"
+    mass = math.exp(float(log_total[row]))
+    problem = (
+        lambda s: (
+            f"target_ids holds {int(ids[row, s])} at {position}, slot {s}: outside "
+            f"[0, {num_classes}) (the vocabulary) and not -1 (an empty slot)"
+        ),
+        lambda s: (
+            f"target_logprobs is {float(lp[row, s])} at {position}, slot {s}; expected "
+            "log-probabilities: finite, or -inf for an empty slot"
+        ),
+        lambda s: (
+            f"target_ids repeats id {int(ordered[row, s + 1])} at {position}; each id may "
+            "fill one slot of a position (mark unused slots with id -1 or log-probability -inf)"
+        ),
+        lambda: (
+            f"target_logprobs at {position} sum to {mass:.6g} in probability, above 1; "
+            "expected the teacher's log-probabilities (log_softmax of its logits), not its logits"
+        ),
+        lambda: (
+            f"{position} counts (its target is not ignore_index) but every slot of it is empty "
+            "(id -1 or log-probability -inf): with mass='renormalize' the teacher has no "
+            "distribution there; mark the position ignored in target, or use mass='rest'"
+        ),
+        lambda: (
+            f"beta=1 (reverse KL) with mass='rest' is infinite at {position}: its "
+            f"target_logprobs leave no probability outside the top-k (they sum to {mass:.6g}) "
+            "while the student has classes there; use beta < 1 (the JSD stays finite)"
+        ),
+    )[kind](*slot)
+    raise ValueError(f"{name}: {problem}")
 
 
 class SparseDivergenceArguments(NamedTuple):
@@ -193,48 +178,31 @@ def run_sparse_divergence(
     and with ``grad_rows`` their gradients weighted by it. The teacher's values are
     checked first, except in a backward's rerun (``grad_rows`` given: its forward saw
     them)."""
-    input, target = args.input, args.target
-    valid = target != args.ignore_index
     if args.grad_rows is None:
         # The target picks the rows that count, and with hard_weight > 0 holds their
         # labels: a value that is neither a class nor ignore_index is a mistake either way.
-        check_class_indices(target, args.ignore_index, vocab.total, args.name)
+        check_class_indices(args.target, args.ignore_index, vocab.total, args.name)
         check_sparse_targets(
             args.target_ids,
             args.target_logprobs,
-            valid[:, 0],
+            args.target[:, 0] != args.ignore_index,
             vocab.total,
             rest=args.rest,
             beta=args.beta,
             name=args.name,
         )
-    options = args.options.as_options()
-    acc = acc_dtype_for(input.dtype, options.acc_dtype)
+    run = distillation(args, vocab)
     teacher = sparse_teacher(
         args.target_ids,
         args.target_logprobs,
         vocab.total,
-        acc,
+        run.acc,
         rest=args.rest,
         scale=args.target_temperature / args.transform.temperature,
     )
-    needs = args.needs.when(args.reduction != "none" or args.grad_rows is not None)
-    weighted, grad_scale = mean_gradient_scale(valid, args.reduction, acc)
-    weight = row_weight(valid, weighted, args.grad_rows, acc)
-    head = SparseDivergenceHead(
-        teacher,
-        target.long(),
-        valid,
-        vocab.start,
-        args.linear_weight.shape[0],
-        acc,
-        beta=args.beta,
-        hard_weight=args.hard_weight,
-        temperature=args.transform.temperature,
-        row_weight=weight if any(needs) else None,
-    )
-    grads = run_head_on(args, head, options, vocab, needs, grad_scale=grad_scale)
-    return reduce_rows(head.loss, valid, args.reduction), grads
+    head = SparseDivergenceHead(teacher, run.frame, run.terms)
+    grads = run_head_on(args, head, run.options, vocab, run.needs, grad_scale=run.grad_scale)
+    return reduce_rows(head.loss, run.valid, args.reduction), grads
 
 
 def _kernel(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
@@ -249,14 +217,7 @@ def _kernel(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
 
 
 def _fake(args: SparseDivergenceArguments) -> tuple[torch.Tensor, ...]:
-    input, weight = args.input, args.linear_weight
-    acc = acc_dtype_for(input.dtype, args.options.acc_dtype)
-    scalar = args.reduction != "none"
-    needs = args.needs.when(scalar or args.grad_rows is not None)
-    return (
-        input.new_empty(() if scalar else args.target.shape, dtype=acc),
-        *fake_gradient_outputs(input, weight, needs),
-    )
+    return fake_distillation(args)
 
 
 SCHEMA = OpSchema(SparseDivergenceArguments)

@@ -27,6 +27,7 @@ import torch
 
 from linear_ce.checks.targets import check_class_indices
 from linear_ce.engine.chunk_loop import Gradients, Needs
+from linear_ce.engine.head import HeadFrame
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
@@ -73,12 +74,10 @@ def run_token_logprobs(args: TokenArguments, vocab: Vocab) -> tuple[TokenLogprob
     upstream gradients in ``args`` (the input's summed over the vocabulary's shards)."""
     check_class_indices(args.target, args.ignore_index, vocab.total, args.name)
     options = args.options.as_options()
+    acc = acc_dtype_for(args.input.dtype, options.acc_dtype)
+    valid = args.target != args.ignore_index
     head = TokenLogprobHead(
-        args.target.long(),
-        args.target != args.ignore_index,
-        vocab.start,
-        args.linear_weight.shape[0],
-        acc_dtype_for(args.input.dtype, options.acc_dtype),
+        HeadFrame(args.target.long(), valid, vocab.start, args.linear_weight.shape[0], acc),
         outputs=args.outputs,
         num_classes=vocab.total,
         grad_logprob=args.grad_logprob,

@@ -18,10 +18,11 @@ import torch
 
 from linear_ce.checks.call import Call
 from linear_ce.engine.chunk_loop import Needs, run_head
+from linear_ce.engine.head import HeadFrame
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.vocab import Vocab
-from linear_ce.losses.token_objective import ObjectiveHead
-from linear_ce.ops.autograd import Forward, OnVocab
+from linear_ce.losses.token_objective import ObjectiveHead, TokenObjective
+from linear_ce.ops.autograd import Forward, HandOver, OnVocab
 from linear_ce.options import LinearCrossEntropyOptions
 
 __all__ = ["objective_loss"]
@@ -31,33 +32,24 @@ __all__ = ["objective_loss"]
 class _Objective:
     """The objective's forward on one call (:class:`~linear_ce.ops.autograd.Run`)."""
 
-    name: str
     call: Call
-    objective: Callable[..., torch.Tensor]
-    entropy: bool
-    side: dict[str, torch.Tensor]
+    objective: TokenObjective
     options: LinearCrossEntropyOptions
     needs: Needs
     grad_mode: bool
     vocab: Vocab
 
     @property
-    def allow_retain_graph(self) -> bool:
-        return self.options.allow_retain_graph
+    def hand_over(self) -> HandOver:
+        return HandOver(self.needs, self.options.allow_retain_graph, self.objective.name)
 
     def forward(self, input, weight, bias) -> Forward:
         call, vocab = self.call, self.vocab
         acc = acc_dtype_for(input.dtype, self.options.acc_dtype)
+        valid = call.target != call.ignore_index
         head = ObjectiveHead(
-            call.target.long(),
-            call.target != call.ignore_index,
-            vocab.start,
-            weight.shape[0],
-            acc,
-            objective=self.objective,
-            entropy=self.entropy,
-            side=self.side,
-            name=self.name,
+            HeadFrame(call.target.long(), valid, vocab.start, weight.shape[0], acc),
+            self.objective,
             grad_mode=self.grad_mode,
             differentiate=any(self.needs),
         )
@@ -86,6 +78,7 @@ def objective_loss(
     flat_side = {k: v.reshape(rows, 1).to(acc) for k, v in side.items()}
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
     grad_mode = torch.is_grad_enabled()
-    run = _Objective(name, call, objective, entropy, flat_side, options, needs, grad_mode, vocab)
+    spec = TokenObjective(objective, entropy, flat_side, name)
+    run = _Objective(call, spec, options, needs, grad_mode, vocab)
     (loss,) = _TokenObjective.apply(call.input, call.linear_weight, call.linear_bias, run)
     return loss

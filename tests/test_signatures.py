@@ -1,0 +1,281 @@
+"""The public functions' signatures, pinned: what ``inspect.signature``, ``help()`` and the
+type hints show a user. Written out here from the documented parameter lists (each
+function's Args section, which must name every parameter), so a refactor of the code
+behind them (issue 30: shared checks and preludes) cannot change one unnoticed; the
+vocab-parallel fronts are their single-process function's signature with the three
+keywords that place the shard after the ``*``."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+
+import pytest
+
+import linear_ce
+import linear_ce.distributed
+import linear_ce.reference
+
+SIGNATURES = {
+    "linear_cross_entropy": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "weight: torch.Tensor | None = None",
+        "reduction: str = 'mean'",
+        "ignore_index: int | None = None",
+        "label_smoothing: float = 0.0",
+        "options: LinearCrossEntropyOptions | None = None",
+        "z_loss: float = 0.0",
+        "return_z_loss: bool = False",
+        "return_lse: bool = False",
+        "softcap: float | None = None",
+        "shift: bool | int = False",
+        "token_weight: torch.Tensor | None = None",
+        "logit_scale: float = 1.0",
+        "temperature: float = 1.0",
+        "loss_dtype: torch.dtype | None = None",
+        "-> torch.Tensor | LinearCrossEntropyOutput",
+    ),
+    "reference.linear_cross_entropy": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "weight: torch.Tensor | None = None",
+        "reduction: str = 'mean'",
+        "ignore_index: int | None = None",
+        "label_smoothing: float = 0.0",
+        "options: object = None",
+        "z_loss: float = 0.0",
+        "return_z_loss: bool = False",
+        "return_lse: bool = False",
+        "softcap: float | None = None",
+        "shift: bool | int = False",
+        "token_weight: torch.Tensor | None = None",
+        "logit_scale: float = 1.0",
+        "temperature: float = 1.0",
+        "-> torch.Tensor | LinearCrossEntropyOutput",
+    ),
+    "token_logprobs": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "entropy: bool = False",
+        "top1: bool = False",
+        "top1_rule: str = 'unique'",
+        "log_sum_sq_prob: bool = False",
+        "mean_logit: bool = False",
+        "topk: int | None = None",
+        "options: LinearCrossEntropyOptions | None = None",
+        "-> TokenLogprobs",
+    ),
+    "token_logprobs_and_stats": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "entropy: bool = False",
+        "top1: bool = False",
+        "top1_rule: str = 'unique'",
+        "log_sum_sq_prob: bool = False",
+        "mean_logit: bool = False",
+        "topk: int | None = None",
+        "options: LinearCrossEntropyOptions | None = None",
+        "-> tuple[TokenLogprobs, torch.Tensor]",
+    ),
+    "token_logprobs_vjp": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "grad_logprob: torch.Tensor | None",
+        "grad_entropy: torch.Tensor | None",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "ignore_index: int = -100",
+        "temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "needs: tuple[bool, bool, bool] = (True, True, True)",
+        "options: LinearCrossEntropyOptions | None = None",
+        "row_stats: torch.Tensor | None = None",
+        "-> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]",
+    ),
+    "token_objective": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "objective: Callable[..., torch.Tensor]",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "entropy: bool = False",
+        "options: LinearCrossEntropyOptions | None = None",
+        "**token_tensors: torch.Tensor",
+        "-> torch.Tensor",
+    ),
+    "linear_divergence": (
+        "student_input: torch.Tensor",
+        "student_weight: torch.Tensor",
+        "teacher_input: torch.Tensor",
+        "teacher_weight: torch.Tensor",
+        "target: torch.Tensor | None = None",
+        "*",
+        "student_bias: torch.Tensor | None = None",
+        "teacher_bias: torch.Tensor | None = None",
+        "beta: float = 0.0",
+        "temperature: float = 1.0",
+        "student_logit_scale: float = 1.0",
+        "teacher_logit_scale: float = 1.0",
+        "student_softcap: float | None = None",
+        "teacher_softcap: float | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "reduction: str = 'mean'",
+        "hard_weight: float = 0.0",
+        "return_entropy: bool = False",
+        "options: LinearCrossEntropyOptions | None = None",
+        "-> torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
+    ),
+    "sparse_divergence": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target_ids: torch.Tensor",
+        "target_logprobs: torch.Tensor",
+        "target: torch.Tensor | None = None",
+        "*",
+        "linear_bias: torch.Tensor | None = None",
+        "beta: float = 0.0",
+        "mass: str = 'renormalize'",
+        "temperature: float = 1.0",
+        "target_temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "reduction: str = 'mean'",
+        "hard_weight: float = 0.0",
+        "options: LinearCrossEntropyOptions | None = None",
+        "-> torch.Tensor",
+    ),
+    "sequence_objective": (
+        "input: torch.Tensor",
+        "linear_weight: torch.Tensor",
+        "target: torch.Tensor",
+        "objective: Callable[[SequenceBatch], torch.Tensor]",
+        "*",
+        "sequence: torch.Tensor | None = None",
+        "cu_seqlens: torch.Tensor | None = None",
+        "group: torch.Tensor | str | None = None",
+        "linear_bias: torch.Tensor | None = None",
+        "ignore_index: int = -100",
+        "shift: bool | int = False",
+        "temperature: float = 1.0",
+        "logit_scale: float = 1.0",
+        "softcap: float | None = None",
+        "entropy: bool = False",
+        "reduction: str = 'mean'",
+        "options: LinearCrossEntropyOptions | None = None",
+        "**side_inputs: torch.Tensor",
+        "-> SequenceObjectiveOutput",
+    ),
+}
+
+# The keywords a vocab-parallel front adds, first among its keyword-only parameters.
+SHARD_KEYWORDS = (
+    "process_group: dist.ProcessGroup | None = None",
+    "vocab_start: int | None = None",
+    "num_classes: int | None = None",
+)
+
+FRONTS = {
+    "vocab_parallel_linear_cross_entropy": "linear_cross_entropy",
+    "vocab_parallel_token_logprobs": "token_logprobs",
+    "vocab_parallel_token_objective": "token_objective",
+    "vocab_parallel_linear_divergence": "linear_divergence",
+    "vocab_parallel_sparse_divergence": "sparse_divergence",
+    "vocab_parallel_sequence_objective": "sequence_objective",
+}
+
+
+def _function(name: str):
+    module, _, attribute = name.rpartition(".")
+    return getattr(linear_ce.reference if module == "reference" else linear_ce, attribute)
+
+
+def _entries(fn) -> tuple[str, ...]:
+    """The signature as the tables above write it: ``name: annotation = default`` per
+    parameter, ``*`` before the keyword-only ones, ``**`` on a catch-all, then the return."""
+    signature = inspect.signature(fn)
+    entries, starred = [], False
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.KEYWORD_ONLY and not starred:
+            entries.append("*")
+            starred = True
+        text = ("**" if parameter.kind is parameter.VAR_KEYWORD else "") + parameter.name
+        text += f": {parameter.annotation}"
+        if parameter.default is not parameter.empty:
+            text += f" = {parameter.default!r}"
+        entries.append(text)
+    return (*entries, f"-> {signature.return_annotation}")
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_public_signature_is_pinned(name):
+    assert _entries(_function(name)) == SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_type_hints_resolve(name):
+    """``typing.get_type_hints`` (what IDEs and ``help()`` read) resolves every annotation."""
+    fn = _function(name)
+    hints = typing.get_type_hints(fn)
+    assert set(hints) == {*inspect.signature(fn).parameters, "return"}
+
+
+# The functions whose docstring has an Args section (the others say "as in" another one).
+WITH_ARGS = sorted(
+    set(SIGNATURES)
+    - {"reference.linear_cross_entropy", "token_logprobs_and_stats", "token_logprobs_vjp"}
+)
+
+
+@pytest.mark.parametrize("name", WITH_ARGS)
+def test_every_parameter_is_documented(name):
+    """Each parameter is named in the docstring's Args section."""
+    fn = _function(name)
+    args = inspect.getdoc(fn).split("Args:")[1].split("Returns:")[0]
+    missing = [p for p in inspect.signature(fn).parameters if not re.search(rf"\b{p}\b", args)]
+    assert not missing, f"{name}: not in Args: {missing}"
+
+
+@pytest.mark.parametrize("front", sorted(FRONTS))
+def test_vocab_parallel_front_is_its_function_with_the_shard_keywords(front):
+    single = SIGNATURES[FRONTS[front]]
+    star = single.index("*") + 1
+    expected = (*single[:star], *SHARD_KEYWORDS, *single[star:])
+    fn = getattr(linear_ce.distributed, front)
+    assert _entries(fn) == expected
+    hints = typing.get_type_hints(fn)
+    assert set(hints) == {*inspect.signature(fn).parameters, "return"}
