@@ -251,6 +251,49 @@ _SEQUENCE: tuple[Mutation, ...] = (
     ),
     Mutation(
         "sequence_objective",
+        "the half tile's scaled rows reach the weight gradient unscaled",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "x_op if factors is None else gemm.operand(x_op * factors[:, None])",
+                "x_op",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the half tile's scaled rows reach the input gradient unscaled",
+        "src/linear_ce/engine/chunk_loop.py",
+        (("        part.mul_(factors[:, None])\n", "        pass\n"),),
+        ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the mean's count is folded in and scaled again in backward",
+        "src/linear_ce/ops/sequence_objective.py",
+        (
+            (
+                "ctx.grad_scale = (evaluation.folded_count or 1) / evaluation.count if mean else 1.0",
+                "ctx.grad_scale = 1.0 / evaluation.count if mean else 1.0",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "mean_folded"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "a per-group loss's mean folds the sequences' count (a pass in backward)",
+        "src/linear_ce/losses/sequence_objective.py",
+        (
+            (
+                "        return self.totals.groups if per_group else self.totals.sequences\n",
+                "        return self.totals.sequences\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "mean_folded"),
+    ),
+    Mutation(
+        "sequence_objective",
         "IPO without length normalisation",
         "src/linear_ce/objectives.py",
         (

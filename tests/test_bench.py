@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from linear_ce.bench import config
 from linear_ce.bench.variants import DEFAULT, VARIANTS
@@ -195,3 +196,36 @@ def test_half_rows_have_a_paired_ratio_to_their_own_dtype_floor():
     full = config.Point(8, 4, 16, "fp32", "cpu")
     rows = summarize(full, {"floor": measured(1.0), "linear_ce": measured(1.1)})
     assert rows[1].own_ratio is None and rows[1].ratio == pytest.approx(1.1)
+
+
+def test_dpo_point_is_measured_against_the_gemms_of_its_scored_rows():
+    """A DPO point's prompts (the first quarter of each 256-token sequence) are never
+    scored: its floors are the three GEMMs on the other rows, and its rows' ratios are
+    taken to them (fp32: ``floor-scored``; bf16: ``floor-scored-fp32`` and, as their own
+    dtype's, ``floor-scored``); the all-rows floors are not measured there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linear_ce.bench.variants import make_inputs, measured_at, own_floor_variant
+    from linear_ce.bench.variants import reference_variant as reference
+
+    fp32 = config.Point(512, 8, 64, "fp32", "cpu", head="dpo")
+    bf16 = config.Point(512, 8, 64, "bf16", "cpu", head="dpo")
+    assert reference(fp32, "train") == "floor-scored"
+    assert reference(bf16, "train") == "floor-scored-fp32"
+    assert own_floor_variant(bf16, "train") == "floor-scored"
+    assert not measured_at("floor", fp32) and not measured_at("floor-fp32", bf16)
+    assert measured_at("floor", config.Point(512, 8, 64, "fp32", "cpu", head="sparse"))
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                seen.append((tuple(args[0].shape), tuple(args[1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    call = VARIANTS["floor-scored"].build(*make_inputs(fp32))
+    with Shapes():
+        call()
+    # 2 sequences of 256 tokens, 64 of each a prompt: 384 scored rows.
+    assert seen == [((384, 8), (8, 64)), ((384, 64), (64, 8)), ((64, 384), (384, 8))]
+    assert VARIANTS["floor-scored"].unavailable(config.Point(300, 8, 64, "fp32", "cpu")) is not None

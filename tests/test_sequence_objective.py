@@ -267,6 +267,7 @@ def test_half_tile_in_two_sweeps(transform, bias, entropy, monkeypatch):
         return plans[-1]
 
     monkeypatch.setattr(op, "make_plan", spy)
+    heads = _spy_heads(monkeypatch)
     monkeypatch.setenv("LINEAR_CE_STEP_ROWS", "5")
     monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
     d = _data(14, "random")
@@ -277,6 +278,8 @@ def test_half_tile_in_two_sweeps(transform, bias, entropy, monkeypatch):
     if not isinstance(plan.gemm, NativeHalf):
         pytest.skip("no native bf16 GEMMs on this CPU: no half tile")
     assert (plan.rows_per_step, plan.rows_per_chunk) == (5, 24)
+    # Without entropy and bias gradient: one sweep, the rows scaled in the GEMMs.
+    assert [h.scaled_rows for h in heads] == [not entropy and not bias]
     want, want_grads, _, want_n = _reference(d, **opts)
     plain, plain_grads, _, _ = _reference(d, torch.bfloat16, **opts)
     assert work.passes(int(want_n.sum()), V, FEAT) == 3.0
@@ -285,6 +288,152 @@ def test_half_tile_in_two_sweeps(transform, bias, entropy, monkeypatch):
     assert rel_err(out.loss, want) <= max(floor, 2 * rel_err(plain, want))
     for got, w, p in zip(grads, want_grads, plain_grads, strict=True):
         assert rel_err(got, w) <= max(floor, 2 * rel_err(p, w))
+
+
+def _spy_heads(monkeypatch) -> list:
+    """The SequenceHeads the calls build, recorded."""
+    import linear_ce.ops.sequence_objective as op
+
+    heads = []
+
+    class Spy(op.SequenceHead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            heads.append(self)
+
+    monkeypatch.setattr(op, "SequenceHead", Spy)
+    return heads
+
+
+@pytest.mark.parametrize("group", [None, "pairs"])
+def test_half_tile_scaled_rows_consecutive_and_gathered(group, monkeypatch):
+    """bf16 half tile in steps of 7 rows, one sweep with the rows scaled in the GEMMs
+    (no entropy, no bias): every token scored, so with ``group=None`` each chunk's rows are
+    consecutive (the input gradient's scaled rows formed aside, then added in place) and
+    with ``"pairs"`` gathered; many chunks of a 40-row budget. Against the loss typed here
+    in float64 on the full logits."""
+    heads = _spy_heads(monkeypatch)
+    monkeypatch.setenv("LINEAR_CE_STEP_ROWS", "7")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
+    g = torch.Generator().manual_seed(21)
+    seqs, length, feat, classes = 8, 19, 16, 97
+    x64 = torch.randn(seqs, length, feat, generator=g, dtype=torch.float64)
+    w64 = torch.randn(classes, feat, generator=g, dtype=torch.float64) * 2 / feat**0.5
+    t = torch.randint(0, classes, (seqs, length), generator=g)
+    ref_lp = -length * 4 + torch.randn(seqs, generator=g, dtype=torch.float64)
+
+    def objective(batch):
+        if group is None:
+            return F.softplus(-(batch.logprob - batch.side["ref"]) / batch.length)
+        c, r = batch.pair(batch.logprob - batch.side["ref"])
+        return -F.logsigmoid(0.3 * (c - r))
+
+    def formula(x, w, ref_lp):
+        lp = torch.log_softmax(x @ w.T, -1).gather(-1, t[..., None])[..., 0].sum(1)
+        if group is None:
+            return F.softplus(-(lp - ref_lp) / length).mean()
+        c, r = (lp - ref_lp).chunk(2)
+        return -F.logsigmoid(0.3 * (c - r)).mean()
+
+    def grads_of(dtype, fused):
+        x, w = (v.to(dtype).requires_grad_() for v in (x64, w64))
+        if fused:
+            loss = linear_ce.sequence_objective(
+                x,
+                w,
+                t,
+                objective,
+                group=group,
+                ref=ref_lp.to(dtype),
+                options=LinearCrossEntropyOptions(batch_chunk_size=40),
+            ).loss
+        else:
+            loss = formula(x, w, ref_lp.to(dtype))
+        return [loss, *torch.autograd.grad(loss, [x, w])]
+
+    got = grads_of(torch.bfloat16, True)
+    if not heads[0].scaled_rows:
+        pytest.skip("no native bf16 GEMMs on this CPU: no half tile")
+    assert len(heads[0].chunks) > 2
+    consecutive = [isinstance(c.rows, slice) for c in heads[0].chunks]
+    assert all(consecutive) if group is None else not any(consecutive)
+    want, plain = grads_of(torch.float64, False), grads_of(torch.bfloat16, False)
+    # The house bound: 3 eps, or twice the plain bf16 expression's own error.
+    for a, w, p in zip(got, want, plain, strict=True):
+        assert rel_err(a, w) <= max(3 * eps(torch.bfloat16), 2 * rel_err(p, w))
+
+
+@pytest.mark.parametrize(
+    ("kind", "first"),
+    [
+        ("sequence", "pair"),
+        ("group", "pair"),
+        ("switch", "pair"),
+        ("sequence", "single"),
+        ("group", "single"),
+    ],
+)
+def test_mean_folded_into_the_gradients(kind, first, monkeypatch):
+    """``reduction="mean"`` over groups of 1, 2 and 3 sequences, one group per chunk, the
+    pair or the singleton first (whose chunk cannot tell a loss per group from one per
+    sequence): a loss per sequence, per group, or per sequence in the first chunk and per
+    group after it (the mean over every loss returned). Against the float64 formula; where
+    the first chunk tells the count, backward hands the gradients over unscaled (the
+    mean's factor is in them, no pass over the weight gradient)."""
+    import linear_ce.ops.sequence_objective as op
+
+    upstream = []
+
+    def spy(ctx, grad_loss):
+        upstream.append(float(grad_loss))
+        return hand_over(ctx, grad_loss)
+
+    hand_over = op.hand_over_gradients
+    monkeypatch.setattr(op, "hand_over_gradients", spy)
+    d = _data(9, "prompt")  # scored tokens per sequence: 10, 7, 10, 8, 9, 3
+    group = torch.tensor([1, 0, 0, 2, 2, 2] if first == "pair" else [0, 1, 1, 2, 2, 2])
+    calls = []
+
+    def objective(batch):
+        calls.append(batch.num_groups)
+        per_seq = (batch.logprob / batch.length + 0.1 * batch.side["ref"]).square()
+        if kind == "sequence" or (kind == "switch" and len(calls) == 1):
+            return per_seq
+        return batch.sum_groups(per_seq)
+
+    x, W = d["x"].clone().requires_grad_(), d["W"].clone().requires_grad_()
+    out = linear_ce.sequence_objective(
+        x,
+        W,
+        d["t"],
+        objective,
+        group=group,
+        shift=1,
+        ref=d["ref"],
+        # Groups of 17, 10 and 20 scored tokens: one per chunk.
+        options=LinearCrossEntropyOptions(batch_chunk_size=20),
+    )
+    grads = torch.autograd.grad(out.loss, [x, W])
+    assert calls == [1, 1, 1]
+    if first == "pair" and kind != "switch":
+        assert upstream == [1.0]
+    rx, rW = d["x"].clone().requires_grad_(), d["W"].clone().requires_grad_()
+    ids = _padded_ids(d)
+    lp_tok, _, scored = ref.token_terms(rx, rW, None, d["t"], ids, shift=1)
+    n = scored.sum(1)
+    per_seq = (ref.per_sequence(lp_tok, ids, scored, S) / n + 0.1 * d["ref"]).square()
+    per_group = [per_seq[group == gid].sum() for gid in range(3)]
+    if kind == "sequence":
+        losses = list(per_seq)
+    elif kind == "group":
+        losses = per_group
+    else:
+        losses = [*per_seq[group == 0], per_group[1], per_group[2]]
+    want = torch.stack(losses).mean()
+    want_grads = torch.autograd.grad(want, [rx, rW])
+    assert rel_err(out.loss, want) <= 16 * eps(torch.float64)  # as test_matches_plain_formula
+    for got, w in zip(grads, want_grads, strict=True):
+        assert rel_err(got, w) <= 16 * eps(torch.float64)
 
 
 def test_direct_weight_sum_not_stretched_over_more_chunks():

@@ -150,6 +150,8 @@ COLORS = {
     "cce": "#f2c500",
     "liger": "#004d40",
     "floor-fwd": "#a0a0a0",
+    "floor-scored": "#000060",
+    "floor-scored-fp32": "#d9d9d9",
     "linear_ce-fwd": "#1f4fd6",
     "logprobs-plain": "#6b8e23",
     "logprobs-linear_ce": "#8b0000",

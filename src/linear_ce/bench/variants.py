@@ -6,7 +6,9 @@ The floors are the GEMMs alone: ``floor`` the three of a training step
 (logits, grad input, grad weight: ``6·N·D·V`` flops) in the input dtype,
 ``floor-fp32`` the same in fp32 (what half inputs cost where the GEMMs must
 run in fp32), ``floor-fwd`` the logits GEMM alone (fp32 for half inputs
-without native half GEMMs).
+without native half GEMMs). At a DPO point the floors are ``floor-scored`` and
+``floor-scored-fp32``: the same three GEMMs on the scored rows only (the prompts, a quarter
+of each sequence, carry no log-probability, and no head computes their logits).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "VARIANTS",
     "Variant",
     "describe_plan",
+    "dpo_scored",
     "make_inputs",
     "measured_at",
     "own_floor_variant",
@@ -263,19 +266,35 @@ def _dpo_shape(point: Point) -> str | None:
     return None
 
 
+def dpo_scored(t: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: the rows of a DPO point's targets ``t`` that are scored (not a prompt)."""
+    rows = torch.ones(t.shape[0] // DPO_SEQUENCE, DPO_SEQUENCE, dtype=torch.bool)
+    rows[:, : DPO_SEQUENCE // 4] = False
+    return rows.reshape(-1).to(t.device)
+
+
 def _dpo_batch(
     t: torch.Tensor, classes: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(2B, T)`` targets with the prompts ignored and the reference's summed
     log-probabilities ``(2B,)``, near the policy's (logits O(1): about ``-log V`` a token)."""
-    rows = t.reshape(-1, DPO_SEQUENCE).clone()
-    rows[:, : DPO_SEQUENCE // 4] = -100
+    rows = torch.where(dpo_scored(t), t, -100).reshape(-1, DPO_SEQUENCE)
     gen = torch.Generator().manual_seed(4)
     scored = (rows != -100).sum(1).double()
     ref = scored * -math.log(classes) + torch.randn(
         rows.shape[0], generator=gen, dtype=torch.float64
     )
     return rows, ref.to(t.device, dtype)
+
+
+def _floor_scored(dtype: torch.dtype | None) -> Build:
+    """The three GEMMs of :func:`_floor` on the scored rows of a DPO point only: what any
+    head that skips the prompts must do at least."""
+
+    def build(x, w, t):
+        return _floor(dtype)(x.detach()[dpo_scored(t)], w, t)
+
+    return build
 
 
 def _dpo_loss(logprob_sum: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -563,6 +582,10 @@ def _has_builtin(point: Point) -> str | None:
     return None
 
 
+#: The heads measured against the three GEMMs on all N rows: a DPO point's prompts are
+#: never scored, so its floors are the ``floor-scored`` ones.
+_NOT_DPO = tuple(h for h in HEADS if h != "dpo")
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
@@ -572,7 +595,7 @@ VARIANTS: dict[str, Variant] = {
             _floor(None),
             _same_dtype_floor,
             "the three GEMMs alone, in the input dtype",
-            HEADS,
+            _NOT_DPO,
         ),
         Variant(
             "floor-fp32",
@@ -580,7 +603,23 @@ VARIANTS: dict[str, Variant] = {
             _floor(torch.float32),
             _half_only,
             "the three GEMMs alone, in fp32",
-            HEADS,
+            _NOT_DPO,
+        ),
+        Variant(
+            "floor-scored",
+            "train",
+            _floor_scored(None),
+            lambda point: _dpo_shape(point) or _same_dtype_floor(point),
+            "the three GEMMs alone on the scored rows (3/4 of N: no prompt), in the input dtype",
+            ("dpo",),
+        ),
+        Variant(
+            "floor-scored-fp32",
+            "train",
+            _floor_scored(torch.float32),
+            lambda point: _dpo_shape(point) or _half_only(point),
+            "the three GEMMs alone on the scored rows (3/4 of N: no prompt), in fp32",
+            ("dpo",),
         ),
         Variant(
             "floor-2heads",
@@ -821,9 +860,15 @@ DEFAULT = (
     "sparse-linear_ce",
 )
 
-#: The DPO step's rows (``--heads dpo``), named with ``--variants`` (with the floors): kept out
+#: The DPO step's rows (``--heads dpo``) and their floors, named with ``--variants``: kept out
 #: of :data:`DEFAULT`, whose runs measure every default row.
-DPO_VARIANTS = ("dpo-plain", "dpo-logprobs", "dpo-linear_ce")
+DPO_VARIANTS = (
+    "floor-scored",
+    "floor-scored-fp32",
+    "dpo-plain",
+    "dpo-logprobs",
+    "dpo-linear_ce",
+)
 
 
 #: Measured at the swept points only, not at the extra (masked, per-token) ones: the
@@ -854,20 +899,26 @@ def measured_at(name: str, point: Point) -> bool:
 def reference_variant(point: Point, kind: str) -> str:
     """The floor a variant's time is divided by: ``floor-fwd`` for forward
     variants; ``floor-fp32`` for half inputs (the targets' reference), else ``floor``;
-    at a distillation point the four-GEMM ``floor-2heads`` (``-fp32``) instead."""
+    at a distillation point the four-GEMM ``floor-2heads`` (``-fp32``) instead, at a DPO
+    point ``floor-scored`` (``-fp32``), the GEMMs of the scored rows."""
     if kind == "forward":
         return "floor-fwd"
-    base = "floor-2heads" if point.head == "divergence" else "floor"
+    base = _floor_base(point)
     return f"{base}-fp32" if point.torch_dtype in HALF_DTYPES else base
+
+
+def _floor_base(point: Point) -> str:
+    return {"divergence": "floor-2heads", "dpo": "floor-scored"}.get(point.head, "floor")
 
 
 def own_floor_variant(point: Point, kind: str) -> str | None:
     """For a half-precision training variant, the floor in its own dtype (``floor``, or
-    ``floor-2heads`` at a distillation point): the reference of the native-half targets,
-    next to :func:`reference_variant`'s fp32 one. ``None`` elsewhere."""
+    ``floor-2heads`` at a distillation point, ``floor-scored`` at a DPO point): the
+    reference of the native-half targets, next to :func:`reference_variant`'s fp32 one.
+    ``None`` elsewhere."""
     if kind == "forward" or point.torch_dtype not in HALF_DTYPES:
         return None
-    return "floor-2heads" if point.head == "divergence" else "floor"
+    return _floor_base(point)
 
 
 def make_inputs(point: Point, seed: int = 0) -> Inputs:

@@ -24,9 +24,15 @@ weight-gradient sum's passes are paid per. A head whose gradient needs every row
 chunk done first (``grads_after_chunk``: a sequence objective's chunk of whole groups)
 takes the half tile in two sweeps: the first runs each step up to ``rows_done`` and keeps
 its row statistics, the second widens each step again, forms ``eᵘ`` from the kept row
-max (the same values the first formed) and writes its gradient back. Without gradients
-(and without ``late_sums``) the steps keep their row sums and maxima for the chunk, which
-are combined over shards and handed to ``rows_done`` once per chunk.
+max (the same values the first formed) and writes its gradient back. Unless each row's
+gradient is a factor known after the chunk times a tile known at once (``scaled_rows``:
+the gradient of ``log p_t`` alone, ``δ_t − p``, scaled by the objective's ``∂L/∂log p_t``):
+then one sweep writes the unscaled tile back, and the gradient GEMMs take the factors
+(``row_factors``, known once the chunk is done) on their small side: the input gradient's
+rows are scaled after their GEMM, the rows of ``x`` before the weight gradient's. No pass
+over the half tile, and the input gradient keeps one rounding of the tile. Without
+gradients (and without ``late_sums``) the steps keep their row sums and maxima for the
+chunk, which are combined over shards and handed to ``rows_done`` once per chunk.
 
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
@@ -238,7 +244,13 @@ def run_chunks(
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
     x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input)
     # Two sweeps (see the module doc) keep every step's statistics for the chunk.
-    two_sweeps = half and want_grads and getattr(head, "grads_after_chunk", False)
+    after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
+    scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
+    two_sweeps = after_chunk and not scaled_rows
+    if scaled_rows and grad_input and gx_rows_buf is None:
+        # Scaled rows of the input gradient are formed aside, consecutive chunks too.
+        gx_rows_buf = torch.empty((chunk, in_features), dtype=acc, device=device)
+    factors = None
     # Without gradients (and late sums) a head's outputs need its rows' statistics alone:
     # a half tile's steps keep them for the chunk, combined and handed to the head once
     # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
@@ -348,6 +360,8 @@ def run_chunks(
                             row_stats.late = late_buf[part]
                         sub_rows = _sub_rows(chunk_rows, part)
                         logits[part].copy_(grad_math(u, e, sub_rows, p, row_stats))
+                if scaled_rows:
+                    factors = head.row_factors(chunk_rows, p)
                 g = logits
             else:
                 u = tile[:n]
@@ -357,9 +371,11 @@ def run_chunks(
                 continue
             g_op = gemm.operand(g)
             if grad_input:
-                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf)
+                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf, factors)
             if grad_weight:
-                grad_w.add(p, g_op, x_op)
+                grad_w.add(
+                    p, g_op, x_op if factors is None else gemm.operand(x_op * factors[:, None])
+                )
 
     out_dtype = plan.input_dtype
     late_scale = None if scale_in_tile else grad_scale
@@ -429,15 +445,22 @@ def add_grad_input_rows(
     grad_logits: torch.Tensor,
     weight: torch.Tensor,
     buffer: torch.Tensor | None,
+    factors: torch.Tensor | None = None,
 ) -> None:
-    """``grad_x[rows] += grad_logits @ weight``: in place for consecutive rows, through
-    ``buffer`` (at least ``len(rows)`` rows) and ``index_add_`` for gathered ones."""
-    if isinstance(rows, slice):
+    """``grad_x[rows] += grad_logits @ weight`` (each row times ``factors`` ``(B,)`` where
+    given): in place for consecutive rows without factors, else through ``buffer`` (at
+    least ``len(rows)`` rows) and an addition."""
+    if isinstance(rows, slice) and factors is None:
         gemm.add_grad_input(grad_x[rows], grad_logits, weight)
         return
-    part = buffer[: rows.numel()].zero_()
+    part = buffer[: chunk_size(rows)].zero_()
     gemm.add_grad_input(part, grad_logits, weight)
-    grad_x.index_add_(0, rows, part)
+    if factors is not None:
+        part.mul_(factors[:, None])
+    if isinstance(rows, slice):
+        grad_x[rows].add_(part)
+    else:
+        grad_x.index_add_(0, rows, part)
 
 
 def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:

@@ -22,6 +22,9 @@ Per chunk it calls, in this order:
    row of its chunk done first) may get ``rows_done`` for the chunk a step of
    rows at a time, and then ``grad_tile`` for each step in a second sweep, with
    that step's ``stats``: its ``grad_tile`` reads nothing an earlier step left.
+   With ``scaled_rows = True`` too, ``grad_tile`` follows each step's ``rows_done``
+   (one sweep) and gives the gradient up to a factor per row, which
+   ``row_factors(rows, p)`` ``(B,)`` gives once the chunk's rows are all done.
 
 A head run with a companion projection (a teacher's head,
 :class:`linear_ce.engine.chunk_loop.Companion`) also gets ``companion_tile(t, rows, p)``

@@ -201,7 +201,14 @@ class SequenceEvaluation:
     """Evaluates ``objective`` on chunks of whole groups and keeps what the call returns:
     ``total`` (the summed losses, float64), ``count`` (how many losses), ``logprob_sum``
     ``(S,)`` and ``metrics``. ``side`` ``(S,)`` and ``token_side`` ``(N,)`` (indexed by row)
-    are in the sequence dtype."""
+    are in the sequence dtype.
+
+    With ``mean``, the gradients it returns are those of the mean already where the first
+    chunk tells how many losses the call has (one per group or per sequence, from the
+    totals): ``folded_count``, the count they are divided by (1 where the first chunk's
+    groups and sequences are as many but the call's are not); the caller scales by
+    ``folded_count / count`` afterwards, exactly 1 unless the objective changed its kind of
+    loss between chunks. A mean's scale then costs no pass over the gradients."""
 
     def __init__(
         self,
@@ -214,8 +221,10 @@ class SequenceEvaluation:
         totals: SequenceTotals,
         group_size: int | None,
         want_grads: bool,
+        mean: bool = False,
     ) -> None:
-        self.objective, self.name = objective, name
+        self.objective, self.name, self.mean = objective, name, mean
+        self.folded_count: int | None = None
         self.dtype = lengths.dtype
         self.lengths, self.side, self.token_side = lengths, side, token_side
         self.totals, self.group_size, self.want_grads = totals, group_size, want_grads
@@ -264,6 +273,8 @@ class SequenceEvaluation:
             finally:
                 _COLLECTING.reset(token)
             self._check_loss(loss, batch)
+            if self.folded_count is None:
+                self.folded_count = self._count_to_fold(loss, batch)
             total = loss.sum()
             leaves = [lp] if ent is None else [lp, ent]
             self._refuse_other_leaves(total, leaves)
@@ -277,8 +288,22 @@ class SequenceEvaluation:
         self.logprob_sum[sequences] = sums.detach()
         # No finiteness check (as token_objective): a NaN reaches the gradients of the rows
         # it touches, as in plain autograd, without a host sync per chunk.
-        g, h = ((None if g is None else g.to(acc)) for g in (*grads, None)[:2])
+        scale = 1.0 / self.folded_count
+        g, h = ((None if g is None else (g * scale).to(acc)) for g in (*grads, None)[:2])
         return g, h
+
+    def _count_to_fold(self, loss: torch.Tensor, batch: SequenceBatch) -> int:
+        """The number of losses of the whole call, read from the first chunk's kind of loss
+        (``mean``; otherwise 1): the groups' or the sequences' total, or 1 where the chunk
+        cannot tell them apart but the call can."""
+        if not self.mean:
+            return 1
+        per_group = loss.numel() == batch.num_groups
+        per_sequence = loss.numel() == batch.logprob.numel()
+        if per_group and per_sequence:
+            same = self.totals.groups == self.totals.sequences
+            return self.totals.groups if same else 1
+        return self.totals.groups if per_group else self.totals.sequences
 
     def _check_loss(self, loss: object, batch: SequenceBatch) -> None:
         shapes = {(batch.num_groups,), tuple(batch.logprob.shape)}
@@ -305,13 +330,17 @@ class SequenceEvaluation:
 
 
 class SequenceHead(TokenLogprobHead):
-    """The token log-probability head whose upstream gradients come from ``evaluation`` on
+    r"""The token log-probability head whose upstream gradients come from ``evaluation`` on
     each of ``chunks`` (the loop's chunks, visited in their order, at position 0).
 
     A chunk's rows may come a step at a time (a half tile's first sweep,
     :mod:`linear_ce.engine.chunk_loop`): the objective is evaluated once the chunk's last
     row is done, and its gradients are kept per row for ``grad_tile`` (the second sweep,
-    a step at a time)."""
+    a step at a time). With ``scaled_rows`` (no entropy, no bias gradient: each row's
+    gradient is :math:`g_t\,(\delta_t - p)`, its upstream times the gradient of
+    :math:`\log p_t`), there is no second sweep: ``grad_tile`` gives
+    :math:`\delta_t - p` as each step is done, and ``row_factors`` the :math:`g_t` the
+    loop scales the chunk's half tile by."""
 
     #: The objective needs every sequence of a chunk before any row's gradient is known.
     grads_after_chunk = True
@@ -324,6 +353,7 @@ class SequenceHead(TokenLogprobHead):
         evaluation: SequenceEvaluation,
         chunks: list[GroupChunk],
         num_classes: int | None = None,
+        scaled_rows: bool = False,
     ) -> None:
         super().__init__(frame, outputs=TokenOutputs(entropy=entropy), num_classes=num_classes)
         self.evaluation, self.chunks, self.visited, self.rows_seen = evaluation, chunks, 0, 0
@@ -331,6 +361,15 @@ class SequenceHead(TokenLogprobHead):
         self.grad_logprob = torch.zeros_like(self.logprob)
         self.grad_entropy = torch.zeros_like(self.logprob) if self.entropy_on else None
         self.flows = (False, False)
+        if scaled_rows and entropy:
+            raise ValueError("SequenceHead: scaled_rows is for a head without entropy")
+        self.scaled_rows = scaled_rows
+        # The unit upstream of grad_tile with scaled_rows: a row's tile is δ_t − p.
+        self.unit = torch.ones(
+            max((c.size for c in chunks), default=0) if scaled_rows else 0,
+            dtype=frame.acc_dtype,
+            device=frame.valid.device,
+        )
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         super().rows_done(rows, p, stats)
@@ -366,7 +405,14 @@ class SequenceHead(TokenLogprobHead):
             self.row_mean_u = stats.sums[:, self.slot["dot"]] / stats.sum_exp
         return super().grad_tile(u, e, rows, p, stats, factor)
 
+    def row_factors(self, rows: RowChunk, p: int) -> torch.Tensor:
+        r"""Each row's upstream gradient of :math:`\log p_t` (``scaled_rows``; 0 where none
+        flows)."""
+        return self.grad_logprob[rows, p]
+
     def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.scaled_rows:
+            return self.unit[: chunk_size(rows)], None
         g_on, h_on = self.flows
         return (
             self.grad_logprob[rows, p] if g_on else None,

@@ -178,6 +178,11 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
         evaluation=evaluation,
         chunks=chunks,
         num_classes=spec.vocab.total,
+        # A half tile in steps: one sweep, the rows scaled after the chunk, where the
+        # gradient is the log-probabilities' alone (chunk_loop's scaled_rows).
+        scaled_rows=plan.rows_per_step < plan.rows_per_chunk
+        and not spec.entropy
+        and not spec.needs.bias,
     )
     return run_chunks(
         input,
@@ -249,17 +254,21 @@ class _SequenceObjective(torch.autograd.Function):
             grads = _four_gemm(input, weight, bias, spec, evaluation, acc)
         if grads.input is not None:
             spec.vocab.sum_(grads.input)
-        ctx.scale = 1.0 / evaluation.count if spec.reduction == "mean" else 1.0
+        mean = spec.reduction == "mean"
+        scale = 1.0 / evaluation.count if mean else 1.0
+        # The gradients are the mean's already where the evaluation folded its count in.
+        ctx.grad_scale = (evaluation.folded_count or 1) / evaluation.count if mean else 1.0
         ctx.grads = [grads.input, grads.weight, grads.bias]
         ctx.hand_over = HandOver(spec.needs, spec.options.allow_retain_graph, spec.name)
         logprob_sum = evaluation.logprob_sum.to(acc)
         ctx.mark_non_differentiable(logprob_sum)
-        return (evaluation.total * ctx.scale).to(acc), logprob_sum
+        return (evaluation.total * scale).to(acc), logprob_sum
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_logprob_sum):
-        scaled = hand_over_gradients(ctx, grad_loss * ctx.scale)
+        upstream = grad_loss if ctx.grad_scale == 1.0 else grad_loss * ctx.grad_scale
+        scaled = hand_over_gradients(ctx, upstream)
         return (*scaled, None, None)
 
 
@@ -279,6 +288,7 @@ def sequence_objective_op(
         totals=spec.layout.totals,
         group_size=spec.layout.group_size,
         want_grads=any(spec.needs),
+        mean=spec.reduction == "mean",
     )
     loss, logprob_sum = _SequenceObjective.apply(input, weight, bias, spec, evaluation)
     return loss, logprob_sum, evaluation.metrics
