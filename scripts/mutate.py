@@ -1105,6 +1105,30 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         ),
         ("tests/test_precision.py", "-k", "exp_forms"),
     ),
+    Mutation(
+        "machine_plan",
+        "a companion loop takes the measured smallest chunk, not the budget's longest",
+        "src/linear_ce/engine/plan.py",
+        (
+            (
+                "pick = None if half_cpu or longest else tuning.rows",
+                "pick = None if half_cpu else tuning.rows",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "companion_loop"),
+    ),
+    Mutation(
+        "linear_divergence",
+        "the head's scratch blocks sized by bytes alone, not capped by the tile's columns",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "return max(1, min(by_bytes, max(int(columns * _MAX_BLOCK_SHARE), _MIN_WIDTH)))",
+                "return max(1, by_bytes)",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "transient_memory"),
+    ),
 )
 
 MUTATIONS: tuple[Mutation, ...] = (

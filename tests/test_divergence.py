@@ -594,7 +594,7 @@ def test_bad_inputs(change, message):
 @pytest.mark.parametrize("share", [None, 0.9])
 def test_chunks_take_the_distillation_share(monkeypatch, share):
     """The chunk rule lets a distillation call's logits tiles (student, teacher and the
-    student's exponentials: three) take up to ``DIVERGENCE_SHARE`` (0.4) of the student's
+    student's exponentials: three) take up to ``DIVERGENCE_SHARE`` (0.48) of the student's
     gradients' bytes, more than the cross-entropy's ``BUDGET_SHARE`` (docs/distillation.md);
     the constant decides it (0.9 patched in: longer chunks). Fixed-rule plan, no override,
     at a size where the budget, not the 128-row floor, sets the chunk."""
@@ -631,10 +631,20 @@ def test_chunks_take_the_distillation_share(monkeypatch, share):
     assert below * grad_bytes < tiles_bytes <= allowed * grad_bytes, plan.rows_per_chunk
 
 
-def test_transient_memory_within_student_gradients():
-    """fp32 mean forward+backward stays within 1.5× the student's gradients' bytes (at a
-    hidden size where the chunk rule, not its 128-row floor, sets the chunk)."""
-    n, d, v = 512, 1024, 8192
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (512, 1024, 8192),
+        # Few classes: the head's scratch blocks, outside the chunk budget, are a larger
+        # part of it (3 blocks of 2048 columns took 1.74× at beta=0.5 before they were
+        # sized by the tile).
+        (1024, 1024, 2048),
+    ],
+)
+def test_transient_memory_within_student_gradients(shape):
+    """fp32 mean forward+backward stays within 1.5× the student's gradients' bytes (at
+    hidden sizes where the chunk rule, not its 128-row floor, sets the chunk)."""
+    n, d, v = shape
     # Everything that runs torch's thread pool happens in the forked child (a pool
     # started before a fork does not survive it); a fixed mmap threshold makes the
     # peak count the bytes the call holds (as tests/test_memory_bounds.py).

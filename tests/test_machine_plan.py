@@ -273,6 +273,29 @@ def test_half_inputs_keep_the_budgets_longest_chunks(monkeypatch):
     assert measured.rows_per_chunk == fixed.rows_per_chunk == 512
 
 
+def test_a_companion_loop_keeps_the_budgets_longest_chunks(monkeypatch):
+    """A distillation loop (two tiles, ``longest=True``): equal measured rates at every size
+    would give the smallest chunk (128 rows); it keeps the budget's longest, 256 rows at
+    ``DIVERGENCE_SHARE`` of the gradients' bytes (0.48 × 142.6 MB over two 128 KiB rows),
+    as the fixed rule does, and the measurement of sizes is not asked for."""
+    fake = _synthetic(lambda b, lay: 100.0)
+    monkeypatch.setattr(machine, "chunk_rates", fake)
+    share = plan_module.DIVERGENCE_SHARE
+
+    def plan(**kwargs):
+        return make_plan(
+            *BIG, torch.float32, CPU, LinearCrossEntropyOptions(), tiles=2, share=share, **kwargs
+        )
+
+    assert plan().rows_per_chunk == 128
+    fake.asked.clear()
+    measured = plan(longest=True)
+    assert all(len(rows) == 1 for rows in fake.asked)  # the layout's candidate only
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    assert measured.rows_per_chunk == plan(longest=True).rows_per_chunk == plan().rows_per_chunk
+    assert measured.rows_per_chunk == 256
+
+
 def test_class_block_smallest_at_full_rate(monkeypatch):
     """The vocabulary pass's fewest classes per block: the smallest candidate within
     ``TOLERANCE`` of the best rate (256 here); forced by ``LINEAR_CE_CLASS_BLOCK``."""

@@ -418,6 +418,7 @@ def run_head(
         tiles=tiles_for(head.keeps_logits, transform, any(needs), companion is not None),
         share=share,
         half_tile=companion is None,
+        longest=companion is not None,
     )
     grads = run_chunks(
         input,

@@ -144,7 +144,7 @@ class SparseDivergenceHead(DistillationHead):
         if self.own_z1:
             z_1 = self.sum_of(out, "z_1").zero_()
             (block,) = self.scratch_blocks(e, 1)
-            for span in spans(e.shape[1]):
+            for span in spans(e):
                 part = block[:, : span.stop - span.start]
                 z_1.add_(torch.pow(e[:, span], self.temperature, out=part).sum(1))
         if self.zeroes_support:
@@ -227,7 +227,7 @@ class SparseDivergenceHead(DistillationHead):
         outside = outside * w
         if self.own_z1:
             # The hard term's softmax at temperature 1, e^{Tu} / Z_1, next to the scaling.
-            for span in spans(e.shape[1]):
+            for span in spans(e):
                 self.add_hard_softmax(e, e, span, w, first=outside[:, None])
             if self.zeroes_support:
                 log_z1 = self.z_1.log()[:, None]

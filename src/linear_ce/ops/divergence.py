@@ -169,6 +169,7 @@ def run_divergence(
         tiles=tiles_for(head.keeps_logits, args.transform, any(needs), companion=True),
         share=DIVERGENCE_SHARE,
         half_tile=False,
+        longest=True,
     )
     teacher = Companion(
         args.teacher_input,
