@@ -308,28 +308,24 @@ def _forced_step_rows() -> int | None:
     return _forced_count(STEP_ROWS_ENV, "rows (forcing a half tile's step)")
 
 
+def _forced_either(name: str, choices: dict[str, str], yes: str) -> bool | None:
+    """A two-way choice forced by ``name``, one of ``choices`` (value → meaning): whether
+    it is ``yes``, or ``None`` for ``auto`` (measured)."""
+    value = _env_choice(name, {**choices, "auto": "measured, the default"})
+    return None if value == "auto" else value == yes
+
+
 def _forced_exp2() -> bool | None:
-    value = _env_choice(
-        EXP_ENV,
-        {
-            "exp": "e^u with torch.exp",
-            "exp2": "e^u as 2^(u log2 e) with torch.exp2",
-            "auto": "measured, the default",
-        },
-    )
-    return None if value == "auto" else value == "exp2"
+    meanings = {"exp": "e^u with torch.exp", "exp2": "e^u as 2^(u log2 e) with torch.exp2"}
+    return _forced_either(EXP_ENV, meanings, "exp2")
 
 
 def _forced_layout() -> bool | None:
-    value = _env_choice(
-        TILE_LAYOUT_ENV,
-        {
-            "class-major": "a (V, B) array used as its transpose",
-            "row-major": "a (B, V) array",
-            "auto": "measured, the default",
-        },
-    )
-    return None if value == "auto" else value == "class-major"
+    meanings = {
+        "class-major": "a (V, B) array used as its transpose",
+        "row-major": "a (B, V) array",
+    }
+    return _forced_either(TILE_LAYOUT_ENV, meanings, "class-major")
 
 
 def _can_measure(device: torch.device) -> bool:
