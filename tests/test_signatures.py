@@ -81,26 +81,6 @@ SIGNATURES = {
         "options: LinearCrossEntropyOptions | None = None",
         "-> TokenLogprobs",
     ),
-    "token_logprobs_and_stats": (
-        "input: torch.Tensor",
-        "linear_weight: torch.Tensor",
-        "target: torch.Tensor",
-        "*",
-        "linear_bias: torch.Tensor | None = None",
-        "ignore_index: int = -100",
-        "shift: bool | int = False",
-        "temperature: float = 1.0",
-        "logit_scale: float = 1.0",
-        "softcap: float | None = None",
-        "entropy: bool = False",
-        "top1: bool = False",
-        "top1_rule: str = 'unique'",
-        "log_sum_sq_prob: bool = False",
-        "mean_logit: bool = False",
-        "topk: int | None = None",
-        "options: LinearCrossEntropyOptions | None = None",
-        "-> tuple[TokenLogprobs, torch.Tensor]",
-    ),
     "token_logprobs_vjp": (
         "input: torch.Tensor",
         "linear_weight: torch.Tensor",
@@ -201,6 +181,11 @@ SIGNATURES = {
         "-> SequenceObjectiveOutput",
     ),
 }
+# token_logprobs' parameters, returning the per-token statistics beside its outputs.
+SIGNATURES["token_logprobs_and_stats"] = (
+    *SIGNATURES["token_logprobs"][:-1],
+    "-> tuple[TokenLogprobs, torch.Tensor]",
+)
 
 # The keywords a vocab-parallel front adds, first among its keyword-only parameters.
 SHARD_KEYWORDS = (
