@@ -1131,6 +1131,25 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         ),
         ("tests/test_divergence.py", "-k", "transient_memory"),
     ),
+    Mutation(
+        "chunk_loop",
+        "a class-major tile's row sum leaves out the classes past the last whole slab",
+        "src/linear_ce/engine/row_reductions.py",
+        (("out.add_(tile[:, -rest:].sum(dim=1))", "out.add_(0)"),),
+        ("tests/test_row_reductions.py",),
+    ),
+    Mutation(
+        "chunk_loop",
+        "a class-major tile's row max leaves out the classes past the last whole slab",
+        "src/linear_ce/engine/row_reductions.py",
+        (
+            (
+                "torch.maximum(result, tile[:, -rest:].amax(dim=1), out=result)",
+                "result.clone()",
+            ),
+        ),
+        ("tests/test_row_reductions.py",),
+    ),
 )
 
 MUTATIONS: tuple[Mutation, ...] = (

@@ -59,6 +59,8 @@ from linear_ce.engine.gemm import Gemm
 from linear_ce.engine.head import Head, RowStats
 from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
+from linear_ce.engine.row_reductions import row_max as tile_row_max
+from linear_ce.engine.row_reductions import row_sum
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.options import LinearCrossEntropyOptions
@@ -288,7 +290,7 @@ def run_chunks(
         if companion is not None:
             head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
 
-        row_max = u.amax(dim=1) if max_buf is None else torch.amax(u, 1, out=max_buf[at : at + n])
+        row_max = tile_row_max(u, None if max_buf is None else max_buf[at : at + n])
         vocab.max_(row_max)
         u.sub_(row_max[:, None])
         stats = stats_buf[at : at + n]
@@ -298,7 +300,7 @@ def run_chunks(
             e = None
         else:
             e = _exp(u, u if exp_tile is None else exp_tile[:n], plan.exp2)
-            torch.sum(e, dim=1, out=stats[:, 0])
+            row_sum(e, stats[:, 0])
             head.sums_after_exp(u, e, stats[:, 1:])
         if chunk_stats:
             return None
@@ -543,6 +545,6 @@ class _CompanionBuffers:
         if self.b_p is not None:
             t.add_(self.b_p)
         c.transform.apply_(t, None)
-        row_max = t.amax(dim=1)
+        row_max = tile_row_max(t)
         vocab.max_(row_max)
         return t.sub_(row_max[:, None])
