@@ -1133,6 +1133,25 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
     ),
     Mutation(
         "chunk_loop",
+        "a half tile drops the mean's scale it takes through the head's factor",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "tile_factor = grad_scale * transform.factor if fold_scale else transform.factor",
+                "tile_factor = transform.factor",
+            ),
+        ),
+        ("tests/test_half_tile.py",),
+    ),
+    Mutation(
+        "chunk_loop",
+        "a half tile's steps take the mean's scale twice (in the factor and in a pass)",
+        "src/linear_ce/engine/chunk_loop.py",
+        (("        if scale_in_tile and not fold_scale:\n", "        if scale_in_tile:\n"),),
+        ("tests/test_half_tile.py",),
+    ),
+    Mutation(
+        "chunk_loop",
         "a class-major tile's row sum leaves out the classes past the last whole slab",
         "src/linear_ce/engine/row_reductions.py",
         (("out.add_(tile[:, -rest:].sum(dim=1))", "out.add_(0)"),),
