@@ -513,6 +513,18 @@ _LINEAR_DIVERGENCE: tuple[Mutation, ...] = (
         ),
         ("tests/test_divergence.py", "-k", "transforms_float64 or property_float64"),
     ),
+    Mutation(
+        "linear_divergence",
+        "the mixture's δ without log(β/(1−β)) (right at β = 0.5 only)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "shift = (stats.log_sum_exp - log_zt + math.log(beta / (1.0 - beta)))[:, None]",
+                "shift = (stats.log_sum_exp - log_zt)[:, None]",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "matches_plain_float32"),
+    ),
 )
 
 _SPARSE_HEAD = "src/linear_ce/losses/sparse_divergence.py"
