@@ -525,6 +525,18 @@ _LINEAR_DIVERGENCE: tuple[Mutation, ...] = (
         ),
         ("tests/test_divergence.py", "-k", "matches_plain_float32"),
     ),
+    Mutation(
+        "linear_divergence",
+        "the hard term's target logit masked by a product (-inf * 0 on another shard's row)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "picked = torch.where(self.owned_t, u.gather(1, self.safe_t)[:, 0], 0.0)",
+                "picked = u.gather(1, self.safe_t)[:, 0] * self.owned_t",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "masked_class"),
+    ),
 )
 
 _SPARSE_HEAD = "src/linear_ce/losses/sparse_divergence.py"
