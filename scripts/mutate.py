@@ -207,6 +207,20 @@ _LOSS: tuple[Mutation, ...] = (
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
     ),
+    Mutation(
+        "loss",
+        "an fp16 sum in the result takes the mean's 1/count only at the end (overflows)",
+        "src/linear_ce/engine/accumulate.py",
+        (("            self._x_scale = torch.where(scale > 0, power, 1.0)\n", ""),),
+        ("tests/test_precision.py", "-k", "sum_in_the_result"),
+    ),
+    Mutation(
+        "loss",
+        "an fp16 sum in the result gets 1/count's power of two twice",
+        "src/linear_ce/engine/accumulate.py",
+        (("            scale = scale / self._x_scale\n", "            pass\n"),),
+        ("tests/test_precision.py", "-k", "sum_in_the_result"),
+    ),
 )
 
 _SEQUENCE: tuple[Mutation, ...] = (
