@@ -207,6 +207,20 @@ _LOSS: tuple[Mutation, ...] = (
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
     ),
+    Mutation(
+        "loss",
+        "an fp16 sum in the result takes the mean's 1/count only at the end (overflows)",
+        "src/linear_ce/engine/accumulate.py",
+        (("            self._x_scale = torch.where(scale > 0, power, 1.0)\n", ""),),
+        ("tests/test_precision.py", "-k", "sum_in_the_result"),
+    ),
+    Mutation(
+        "loss",
+        "an fp16 sum in the result gets 1/count's power of two twice",
+        "src/linear_ce/engine/accumulate.py",
+        (("            scale = scale / self._x_scale\n", "            pass\n"),),
+        ("tests/test_precision.py", "-k", "sum_in_the_result"),
+    ),
 )
 
 _SEQUENCE: tuple[Mutation, ...] = (
@@ -513,6 +527,30 @@ _LINEAR_DIVERGENCE: tuple[Mutation, ...] = (
         ),
         ("tests/test_divergence.py", "-k", "transforms_float64 or property_float64"),
     ),
+    Mutation(
+        "linear_divergence",
+        "the mixture's δ without log(β/(1−β)) (right at β = 0.5 only)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "shift = (stats.log_sum_exp - log_zt + math.log(beta / (1.0 - beta)))[:, None]",
+                "shift = (stats.log_sum_exp - log_zt)[:, None]",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "matches_plain_float32"),
+    ),
+    Mutation(
+        "linear_divergence",
+        "the hard term's target logit masked by a product (-inf * 0 on another shard's row)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "picked = torch.where(self.owned_t, u.gather(1, self.safe_t)[:, 0], 0.0)",
+                "picked = u.gather(1, self.safe_t)[:, 0] * self.owned_t",
+            ),
+        ),
+        ("tests/test_divergence.py", "-k", "masked_class"),
+    ),
 )
 
 _SPARSE_HEAD = "src/linear_ce/losses/sparse_divergence.py"
@@ -652,6 +690,18 @@ _DTENSOR_MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_dtensor.py", "-k", "2d_mesh or plain_head"),
+    ),
+    Mutation(
+        "dtensor",
+        "a Shard(0) head's front reports under its own name (vocab_parallel_...)",
+        _DTENSOR,
+        (
+            (
+                "return called[1] if called is not None and called[0] == front else front",
+                "return front",
+            ),
+        ),
+        ("tests/test_error_names.py", "-k", "dtensor"),
     ),
 )
 
@@ -1130,25 +1180,6 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_divergence.py", "-k", "transient_memory"),
-    ),
-    Mutation(
-        "chunk_loop",
-        "a half tile drops the mean's scale it takes through the head's factor",
-        "src/linear_ce/engine/chunk_loop.py",
-        (
-            (
-                "tile_factor = grad_scale * transform.factor if fold_scale else transform.factor",
-                "tile_factor = transform.factor",
-            ),
-        ),
-        ("tests/test_half_tile.py",),
-    ),
-    Mutation(
-        "chunk_loop",
-        "a half tile's steps take the mean's scale twice (in the factor and in a pass)",
-        "src/linear_ce/engine/chunk_loop.py",
-        (("        if scale_in_tile and not fold_scale:\n", "        if scale_in_tile:\n"),),
-        ("tests/test_half_tile.py",),
     ),
     Mutation(
         "chunk_loop",

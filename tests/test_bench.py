@@ -229,3 +229,24 @@ def test_dpo_point_is_measured_against_the_gemms_of_its_scored_rows():
     # 2 sequences of 256 tokens, 64 of each a prompt: 384 scored rows.
     assert seen == [((384, 8), (8, 64)), ((384, 64), (64, 8)), ((64, 384), (384, 8))]
     assert VARIANTS["floor-scored"].unavailable(config.Point(300, 8, 64, "fp32", "cpu")) is not None
+
+
+@pytest.mark.parametrize("form", ["exp", "exp2"])
+def test_plan_note_says_how_half_math_forms_the_exponential(monkeypatch, form):
+    """The note names ``Plan.exp2``'s choice where there is one (half inputs' fp32 math on
+    a CPU), forced here by ``LINEAR_CE_EXP``; an fp32 plan has none to name."""
+    from linear_ce import LinearCrossEntropyOptions
+    from linear_ce.bench.variants import _plan_fields, plan_note
+    from linear_ce.engine.machine import EXP_ENV
+    from linear_ce.engine.plan import make_plan
+
+    monkeypatch.setenv(EXP_ENV, form)
+
+    def note(dtype):
+        plan = make_plan(256, 32, 512, dtype, torch.device("cpu"), LinearCrossEntropyOptions())
+        fields = _plan_fields(plan, 256)
+        extra = {"fixed_rule": fields, "chunk_rates": {}, "half_speedup": None, "step_rates": {}}
+        return plan_note({**fields, **extra})
+
+    assert note(torch.bfloat16).endswith(f", {form}")
+    assert not note(torch.float32).endswith(("exp", "exp2"))

@@ -634,15 +634,11 @@ def test_second_backward_names_the_function_called(function, group_for):
     _second_backward_raises(function, out.loss if function.endswith("sequence_objective") else out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the DTensor dispatch renames its front's errors as the call raises them; a "
-    "backward's error comes after the call returned and names the vocab-parallel front",
-)
 @pytest.mark.parametrize("function", [name for name in DTENSOR if name != "token_logprobs"])
 def test_second_backward_names_the_function_called_with_a_dtensor_head(function, group_for):
-    """The DTensor head runs the vocab-parallel front; the second backward's error should
-    still name the function the user called."""
+    """The DTensor head runs the vocab-parallel front; the second backward's error, raised
+    after the call returned, still names the function the user called (it named the
+    front)."""
     group_for("vocab_parallel_linear_cross_entropy")
     out = DTENSOR[function](_sharded(_w()).requires_grad_())
     _second_backward_raises(function, out.loss if function == "sequence_objective" else out)

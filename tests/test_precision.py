@@ -139,6 +139,64 @@ def test_fp16_mean_gradients_at_the_rounded_exact_gradient(path, policy, held):
         assert err <= 2 * floor, f"{name}: error {err:.2e} > 2 x {floor:.2e} (exact, rounded)"
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"batch_chunk_size": 2048}, {"acc_policy": "compact"}],
+    ids=["balanced, 4 chunks", "compact"],
+)
+def test_fp16_mean_gradients_with_the_sum_in_the_result(path, options):
+    """reduction="mean" in fp16 where the weight gradient is summed in the fp16 result
+    itself ("direct"): the mean's 1/count was folded into the gradient tile there (the
+    unscaled sum could overflow fp16), among fp16's subnormals: grad_input 1.90e-3 against
+    its floor of 4.59e-4 (the exact gradient rounded once to fp16), grad_weight 2.00e-3
+    against 2.08e-4, as the plain fp16 expression's (1.92e-3, 2.07e-3). Now the tile is
+    unscaled and the sum's products take 1/count's power of two on x's side: measured
+    (2-core Sapphire Rapids, native fp16 GEMMs) 5.67e-4 and 4.25e-4 (4 chunks), 4.72e-4
+    (compact, 8 chunks)."""
+    if path == "native" and not native_half_gemm(torch.float16, CPU):
+        pytest.skip("this CPU has no native float16 GEMMs")
+    rows, features, classes = 8192, 64, 256
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64).half()
+    W = (torch.randn(classes, features, generator=gen, dtype=torch.float64) / 4).half()
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[::7] = -100  # a count that is no power of two
+    opts = LinearCrossEntropyOptions(**options)
+    plan = make_plan(rows, features, classes, torch.float16, CPU, opts)
+    assert plan.weight_grad == "direct"
+    chunks = -(-rows // plan.rows_per_chunk)
+    exact = _grads(_plain, x.double(), W.double(), t)
+    ours = _grads(linear_ce.linear_cross_entropy, x, W, t, options=opts)
+    # grad_input: its rows' fp32 sums are rounded once, as the split sum's (2x its floor).
+    # grad_weight: the sum rounds to fp16 once per chunk and once more for the remainder of
+    # 1/count in [1, 2): sqrt(chunks + 1) roundings of the result if they add as a random
+    # walk, twice that (with 1/count in the tile it was 9.6x its floor at 4 chunks).
+    slack = {"grad_input": 2.0, "grad_weight": 2.0 * (chunks + 1) ** 0.5}
+    for name, got, ref in zip(("grad_input", "grad_weight"), ours, exact, strict=True):
+        floor = rel_err(ref.half(), ref)
+        err = rel_err(got, ref)
+        assert err <= slack[name] * floor, f"{name}: {err:.2e} > {slack[name]:.1f} x {floor:.2e}"
+
+
+def test_fp16_mean_sum_in_the_result_does_not_overflow(path):
+    """The reason the direct sum's products are scaled before they are added: unscaled,
+    every row's weight gradient for the shared target adds up to ~ -4.6e5, past fp16's
+    65504 (inf), where the mean, ~ -56, is far inside it."""
+    if path == "native" and not native_half_gemm(torch.float16, CPU):
+        pytest.skip("this CPU has no native float16 GEMMs")
+    rows, features, classes = 8192, 8, 16
+    gen = torch.Generator().manual_seed(5)
+    x = (60 + torch.randn(rows, features, generator=gen, dtype=torch.float64)).half()
+    W = (torch.randn(classes, features, generator=gen, dtype=torch.float64) / 1000).half()
+    t = torch.zeros(rows, dtype=torch.long)
+    opts = LinearCrossEntropyOptions(batch_chunk_size=2048)
+    assert make_plan(rows, features, classes, torch.float16, CPU, opts).weight_grad == "direct"
+    exact = _grads(_plain, x.double(), W.double(), t)[1]
+    got = _grads(linear_ce.linear_cross_entropy, x, W, t, options=opts)[1]
+    # Finite and near the exact mean: a few fp16 roundings (4 chunks), far below an overflow.
+    assert bool(got.isfinite().all()) and rel_err(got, exact) <= 8 * eps(torch.float16)
+
+
 def test_native_half_gemm_variable(monkeypatch):
     monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, "0")
     assert not native_half_gemm(torch.bfloat16, CPU)

@@ -22,7 +22,7 @@ from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.divergence import SCHEMA, DivergenceArguments, divergence, divergence_on_shard
 from linear_ce.ops.schema import PlanOptions
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors, called_as
 from linear_ce.parallel.shard import vocab_shard
 
 __all__ = ["linear_divergence", "vocab_parallel_linear_divergence"]
@@ -122,7 +122,7 @@ def vocab_parallel_linear_divergence(
         ...     hidden, student_shard, teacher_hidden, teacher_shard, labels, shift=True
         ... )
     """
-    name = "vocab_parallel_linear_divergence"
+    name = called_as("vocab_parallel_linear_divergence")
     head = HeadArguments(student_input, student_weight, target, student_bias, ignore_index, shift)
     transform = TransformArguments(temperature, student_logit_scale, student_softcap)
     teacher = TeacherArguments(

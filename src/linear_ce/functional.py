@@ -34,7 +34,7 @@ from linear_ce.ops.cross_entropy import (
 )
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.outputs import LinearCrossEntropyOutput
-from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors, called_as
 from linear_ce.parallel.shard import vocab_shard
 
 __all__ = ["linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
@@ -161,7 +161,7 @@ def vocab_parallel_linear_cross_entropy(
         >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
     """
 
-    name = "vocab_parallel_linear_cross_entropy"
+    name = called_as("vocab_parallel_linear_cross_entropy")
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     transform = TransformArguments(temperature, logit_scale, softcap)
     terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)

@@ -17,7 +17,7 @@ from linear_ce.engine.vocab import Vocab
 from linear_ce.losses.sequence_objective import Metrics, SequenceBatch, sequence_dtype
 from linear_ce.ops.sequence_objective import SequenceSpec, sequence_objective_op
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors, called_as
 from linear_ce.parallel.shard import vocab_shard
 
 __all__ = [
@@ -170,7 +170,7 @@ def vocab_parallel_sequence_objective(
         ... )
         >>> out.loss.backward()
     """
-    name = "vocab_parallel_sequence_objective"
+    name = called_as("vocab_parallel_sequence_objective")
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
         name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes

@@ -28,7 +28,7 @@ from linear_ce.ops.token_logprobs import (
 )
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.outputs import TokenLogprobs
-from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors, called_as
 from linear_ce.parallel.shard import vocab_shard
 
 __all__ = [
@@ -170,7 +170,7 @@ def vocab_parallel_token_logprobs(
         >>> out = vocab_parallel_token_logprobs(hidden, shard, ids, shift=True, entropy=True)
     """
 
-    name = "vocab_parallel_token_logprobs"
+    name = called_as("vocab_parallel_token_logprobs")
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
         name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes

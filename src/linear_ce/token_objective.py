@@ -13,7 +13,7 @@ from linear_ce.checks.call import HeadArguments, TransformArguments
 from linear_ce.checks.objective import check_objective_call
 from linear_ce.ops.token_objective import objective_loss
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.dtensor import accepts_dtensors, called_as
 from linear_ce.parallel.shard import VocabShard, vocab_shard
 
 __all__ = ["token_objective", "vocab_parallel_token_objective"]
@@ -109,7 +109,7 @@ def vocab_parallel_token_objective(
         ... )
     """
 
-    name = "vocab_parallel_token_objective"
+    name = called_as("vocab_parallel_token_objective")
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     shard = vocab_shard(
         name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes

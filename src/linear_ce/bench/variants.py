@@ -489,6 +489,10 @@ def _plan_fields(plan, rows: int) -> dict:
         ),
         "gemm": type(plan.gemm).__name__,
         "weight_grad": plan.weight_grad,
+        # How eᵘ is formed: a choice of half inputs' fp32 math on a CPU only (Plan.exp2).
+        "exp": ("exp2" if plan.exp2 else "exp")
+        if plan.input_dtype in HALF_DTYPES and type(plan.gemm).__name__ != "CudaOutDtype"
+        else None,
     }
 
 
@@ -500,7 +504,8 @@ def plan_note(plan: dict | None) -> str:
         return ""
 
     def short(p: dict) -> str:
-        return f"{p['chunks']}×{p['rows_per_chunk']} rows, {p['layout']}, {p['gemm']}"
+        exp = f", {p['exp']}" if p.get("exp") else ""
+        return f"{p['chunks']}×{p['rows_per_chunk']} rows, {p['layout']}, {p['gemm']}{exp}"
 
     text = short(plan)
     if short(plan["fixed_rule"]) != text:

@@ -210,9 +210,9 @@ def run_chunks(
     ``grad_scale`` (a mean's ``1/count``) multiplies the fp32 sums before they are
     rounded to the input dtype: folded into a half gradient tile, a small factor pushes
     its entries into the half dtype's subnormals (fp16 ``reduction="mean"`` over 32768
-    rows: 10x the weight gradient's final rounding). Only a weight-gradient sum held in
-    the half dtype itself (``"direct"``) gets it in the tile, where the unscaled sum could
-    overflow.
+    rows: 10x the weight gradient's final rounding). A weight-gradient sum held in the
+    half dtype itself (``"direct"``), where the unscaled sum could overflow, takes its
+    power of two on ``x``'s side (:class:`~linear_ce.engine.accumulate.DirectSum`).
 
     ``chunks``: each position's chunks of rows, given by the caller instead of
     ``row_chunks(head.valid, ...)`` (a head whose chunks must hold whole sequences,
@@ -266,16 +266,9 @@ def run_chunks(
         other = _CompanionBuffers(companion, chunk, local_classes, acc, x_rows_buf is not None)
 
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
-    grad_w = weight_grad_sum(plan, weight.shape, device) if grad_weight else None
-    scale_in_tile = grad_scale is not None and grad_w is not None and grad_w.rounds_per_chunk
     if grad_scale is not None:
         grad_scale = grad_scale.to(acc)
-    # The constant the head multiplies its gradient tile by. A half tile's steps take a
-    # scale in the tile through it (a 0-dim tensor times σ/T: every head's gradient is
-    # linear in ``factor``), not as a pass of their own over each step (0.18 ns per
-    # logit on one Sapphire Rapids core, ~1.5% of a bf16 training step's floor).
-    fold_scale = half and scale_in_tile
-    tile_factor = grad_scale * transform.factor if fold_scale else transform.factor
+    grad_w = weight_grad_sum(plan, weight.shape, device, grad_scale) if grad_weight else None
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
@@ -325,9 +318,7 @@ def run_chunks(
     def grad_math(u: torch.Tensor, e, chunk_rows, p: int, row_stats: RowStats) -> torch.Tensor:
         """``factor · ∂L/∂s`` of the rows of ``u`` (``u = s − max``, ``e = eᵘ``) in a tile."""
         n = u.shape[0]
-        g = head.grad_tile(u, e, chunk_rows, p, row_stats, tile_factor)
-        if scale_in_tile and not fold_scale:
-            g.mul_(grad_scale)
+        g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
         if sech2 is not None:
             g.mul_(sech2[:n])
         if grad_bias:
@@ -386,14 +377,13 @@ def run_chunks(
                 )
 
     out_dtype = plan.input_dtype
-    late_scale = None if scale_in_tile else grad_scale
-    if late_scale is not None:
+    if grad_scale is not None:
         for sums in (grad_x, grad_b):
             if sums is not None:
-                sums.mul_(late_scale)
+                sums.mul_(grad_scale)
     return Gradients(
         input=None if grad_x is None else grad_x.to(out_dtype),
-        weight=None if grad_w is None else grad_w.finish(late_scale),
+        weight=None if grad_w is None else grad_w.finish(grad_scale),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
 

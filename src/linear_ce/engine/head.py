@@ -17,8 +17,7 @@ Per chunk it calls, in this order:
    outputs.
 4. only when gradients are wanted: ``grad_tile(u, e, rows, p, stats, factor)``
    turns one of the two tiles into :math:`\partial L / \partial s` times
-   ``factor`` (the constant of the logits transform; a 0-dim tensor where a half tile
-   folds a mean's scale into it: a head only multiplies by it) and returns it. A head
+   ``factor`` (the constant of the logits transform) and returns it. A head
    with ``grads_after_chunk = True`` (optional; a row's gradient needs every
    row of its chunk done first) may get ``rows_done`` for the chunk a step of
    rows at a time, and then ``grad_tile`` for each step in a second sweep, with
@@ -117,13 +116,7 @@ class Head(Protocol):
         """Write the per-row outputs of ``rows`` at position ``p``."""
 
     def grad_tile(
-        self,
-        u: Tile,
-        e: Tile,
-        rows: RowChunk,
-        p: int,
-        stats: RowStats,
-        factor: float | torch.Tensor,
+        self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
     ) -> Tile:
         """Overwrite a tile with ``factor · ∂L/∂s`` and return it."""
 

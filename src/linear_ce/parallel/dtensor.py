@@ -44,6 +44,7 @@ DTensor argument go straight to the function.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -64,7 +65,7 @@ try:
 except ImportError:  # a torch build without distributed support holds no DTensor
     DTensor = None
 
-__all__ = ["accepts_dtensors"]
+__all__ = ["accepts_dtensors", "called_as"]
 
 FunctionT = TypeVar("FunctionT", bound=Callable[..., Any])
 
@@ -141,6 +142,23 @@ def accepts_dtensors(
         return entry_point  # type: ignore[return-value]
 
     return decorate
+
+
+#: ``(front, caller)`` while a DTensor call of the public function ``caller`` runs its
+#: vocab-parallel front ``front`` (their ``__name__``s).
+_CALLED_AS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "linear_ce_called_as", default=None
+)
+
+
+def called_as(front: str) -> str:
+    """The name the vocab-parallel function ``front`` reports under: the public function
+    the user called when a DTensor call of it runs ``front``, else ``front`` itself.
+
+    Every message of the call carries it, those raised as it runs and those that come
+    after it returned (a second backward's), so the front reads it once, at its start."""
+    called = _CALLED_AS.get()
+    return called[1] if called is not None and called[0] == front else front
 
 
 def _holds_dtensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -614,14 +632,12 @@ def _on_mesh(
         denominator = roles.mean(local, runner.num_classes)
         local["reduction"] = "sum"
     bound.arguments.update(local)
+    # The vocab-parallel front reports under the name the user called (called_as).
+    called = _CALLED_AS.set((runner.function.__name__, name))
     try:
         result = runner.function(*bound.args, **bound.kwargs, **runner.keywords)
-    except (TypeError, ValueError) as error:
-        # The vocab-parallel front checks the call under its own name; the user called name.
-        front = f"{runner.function.__name__}: "
-        if runner.function is function or not str(error).startswith(front):
-            raise
-        raise type(error)(f"{name}: {str(error).removeprefix(front)}") from error
+    finally:
+        _CALLED_AS.reset(called)
     outputs = _reduce_scalars(_outputs(result), layout, denominator)
     input_shape = tuple(arguments[input_arg].shape)
     return _rebuild(
