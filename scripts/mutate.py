@@ -207,6 +207,25 @@ _LOSS: tuple[Mutation, ...] = (
         ),
         ("tests/test_memory_bounds.py", "-k", "bf16-mean and not upcast"),
     ),
+    Mutation(
+        "loss",
+        "a mean's scale is not taken into the weight gradient's rows",
+        "src/linear_ce/engine/accumulate.py",
+        (("        if self._row_scale is not None:\n            x = x * self._row_scale\n", ""),),
+        ("tests/test_combinations.py", "-k", "chunked and mean"),
+    ),
+    Mutation(
+        "loss",
+        "a mean's scale applied to the weight gradient twice (rows and finish)",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "grad_w.finish(None if scale_in_rows else late_scale)",
+                "grad_w.finish(late_scale)",
+            ),
+        ),
+        ("tests/test_combinations.py", "-k", "chunked and mean"),
+    ),
 )
 
 _SEQUENCE: tuple[Mutation, ...] = (
@@ -558,6 +577,13 @@ _VOCAB_PASS = "src/linear_ce/engine/vocab_pass.py"
 _VOCAB_PASS_TESTS = ("tests/test_token_logprobs.py", "-k", "many_row_groups_and_class_blocks")
 
 _VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "vocab_pass",
+        "the entropy's row dot keeps its last block only (each block written, not added)",
+        _TOKEN_HEAD,
+        (("                out.add_(part.sum(1))\n", "                out.copy_(part.sum(1))\n"),),
+        _VOCAB_PASS_TESTS,
+    ),
     Mutation(
         "vocab_pass",
         "the last class of each block is left out (off by one)",

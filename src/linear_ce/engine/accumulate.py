@@ -81,9 +81,23 @@ class DirectSum:
         #: Whether each chunk's product is rounded to a half dtype: a scale of the result
         #: then belongs in the products (the unscaled sum may overflow the half dtype).
         self.rounds_per_chunk = dtype in HALF_DTYPES
+        self._row_scale: torch.Tensor | None = None
+
+    def scale_products(self, scale: torch.Tensor) -> bool:
+        """Whether the sum takes ``scale`` (a 0-dim tensor) into each product, as a factor
+        of the rows of ``x`` (``B·F`` elements a chunk), instead of in ``finish`` (a pass
+        over the whole ``(V, P, F)`` sum, 128 MiB at V=32768, F=1024 in fp32: a fixed
+        cost of a mean however few rows are valid). Only where the GEMM operands have the
+        sum's dtype (fp32/fp64), so the rows round as the sum would; call before ``add``."""
+        if self.rounds_per_chunk or self.gemm.operand_dtype != self.sum.dtype:
+            return False
+        self._row_scale = scale
+        return True
 
     def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        """``sum[:, position] += grad_logitsᵀ · x``."""
+        """``sum[:, position] += grad_logitsᵀ · x`` (times the scale of ``scale_products``)."""
+        if self._row_scale is not None:
+            x = x * self._row_scale
         acc = self.sum[:, position]
         first = position not in self._started
         self._started.add(position)
@@ -160,6 +174,10 @@ class SplitSum:
 
     #: The fp32 sum is rounded to the result dtype once, in ``finish``.
     rounds_per_chunk = False
+
+    def scale_products(self, scale: torch.Tensor) -> bool:
+        """``False``: ``finish`` scales each block as it rounds it, in a pass it makes anyway."""
+        return False
 
     def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The sum (times ``scale``, a 0-dim tensor, in fp32) rounded to the result dtype,

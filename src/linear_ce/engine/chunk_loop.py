@@ -268,6 +268,14 @@ def run_chunks(
     scale_in_tile = grad_scale is not None and grad_w is not None and grad_w.rounds_per_chunk
     if grad_scale is not None:
         grad_scale = grad_scale.to(acc)
+    # Where the weight-gradient sum takes the scale into its products' rows, it makes no
+    # pass over the (V, P, F) sum for it.
+    scale_in_rows = (
+        grad_scale is not None
+        and grad_w is not None
+        and not scale_in_tile
+        and grad_w.scale_products(grad_scale)
+    )
     grad_b = (
         torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
     )
@@ -385,7 +393,7 @@ def run_chunks(
                 sums.mul_(late_scale)
     return Gradients(
         input=None if grad_x is None else grad_x.to(out_dtype),
-        weight=None if grad_w is None else grad_w.finish(late_scale),
+        weight=None if grad_w is None else grad_w.finish(None if scale_in_rows else late_scale),
         bias=None if grad_b is None else grad_b.to(out_dtype),
     )
 
