@@ -209,14 +209,14 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "loss",
-        "a mean's scale is not taken into the weight gradient's rows",
+        "a mean's scale is not taken into the weight gradient's GEMMs",
         "src/linear_ce/engine/accumulate.py",
-        (("        if self._row_scale is not None:\n            x = x * self._row_scale\n", ""),),
+        (("        self._alpha = float(scale)\n", ""),),
         ("tests/test_combinations.py", "-k", "chunked and mean"),
     ),
     Mutation(
         "loss",
-        "a mean's scale applied to the weight gradient twice (rows and finish)",
+        "a mean's scale applied to the weight gradient twice (GEMMs and finish)",
         "src/linear_ce/engine/chunk_loop.py",
         (
             (

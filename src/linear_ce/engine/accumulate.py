@@ -81,23 +81,26 @@ class DirectSum:
         #: Whether each chunk's product is rounded to a half dtype: a scale of the result
         #: then belongs in the products (the unscaled sum may overflow the half dtype).
         self.rounds_per_chunk = dtype in HALF_DTYPES
-        self._row_scale: torch.Tensor | None = None
+        self._alpha = 1.0
 
     def scale_products(self, scale: torch.Tensor) -> bool:
-        """Whether the sum takes ``scale`` (a 0-dim tensor) into each product, as a factor
-        of the rows of ``x`` (``B·F`` elements a chunk), instead of in ``finish`` (a pass
-        over the whole ``(V, P, F)`` sum, 128 MiB at V=32768, F=1024 in fp32: a fixed
-        cost of a mean however few rows are valid). Only where the GEMM operands have the
-        sum's dtype (fp32/fp64), so the rows round as the sum would; call before ``add``."""
-        if self.rounds_per_chunk or self.gemm.operand_dtype != self.sum.dtype:
+        """Whether the sum takes ``scale`` (a 0-dim tensor) into each product, as the
+        GEMM's ``alpha``, instead of in ``finish`` (a pass over the whole ``(V, P, F)`` sum,
+        128 MiB at V=32768, F=1024 in fp32: a fixed cost of a mean however few rows are
+        valid). Only where the GEMM adds into the sum itself (operands of the sum's dtype,
+        fp32/fp64) and ``scale`` is on the CPU (read once, here, before the loop: a device
+        scalar would be a host synchronisation). Call before ``add``."""
+        if (
+            self.rounds_per_chunk
+            or self.gemm.operand_dtype != self.sum.dtype
+            or scale.device.type != "cpu"
+        ):
             return False
-        self._row_scale = scale
+        self._alpha = float(scale)
         return True
 
     def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """``sum[:, position] += grad_logitsᵀ · x`` (times the scale of ``scale_products``)."""
-        if self._row_scale is not None:
-            x = x * self._row_scale
         acc = self.sum[:, position]
         first = position not in self._started
         self._started.add(position)
@@ -107,10 +110,12 @@ class DirectSum:
             # 16 MiB bf16 slice, measured), so it goes a vocabulary block at a time there.
             whole = acc.is_contiguous()
             for block in [slice(None)] if whole else vocab_blocks(acc.shape[0], acc.shape[1]):
+                a, out = grad_logits[:, block].T, acc[block]
                 if first:
-                    torch.mm(grad_logits[:, block].T, x, out=acc[block])
+                    # beta=0: the buffer's old contents are ignored, NaN included.
+                    torch.addmm(out, a, x, beta=0, alpha=self._alpha, out=out)
                 else:
-                    acc[block].addmm_(grad_logits[:, block].T, x)
+                    out.addmm_(a, x, alpha=self._alpha)
             return
         # Another dtype: the product is formed a block of classes at a time, each in the
         # first block's (the largest) storage (see gemm.BlockUpcast on the heap).
