@@ -221,6 +221,25 @@ _LOSS: tuple[Mutation, ...] = (
         (("            scale = scale / self._x_scale\n", "            pass\n"),),
         ("tests/test_precision.py", "-k", "sum_in_the_result"),
     ),
+    Mutation(
+        "loss",
+        "a mean's scale is not taken into the weight gradient's GEMMs",
+        "src/linear_ce/engine/accumulate.py",
+        (("            self._alpha = float(scale)\n", ""),),
+        ("tests/test_combinations.py", "-k", "chunked and mean"),
+    ),
+    Mutation(
+        "loss",
+        "a mean's scale applied to the weight gradient twice (GEMMs and finish)",
+        "src/linear_ce/engine/accumulate.py",
+        (
+            (
+                "        if self._scaled:\n            scale = None\n",
+                "        if self._scaled:\n            pass\n",
+            ),
+        ),
+        ("tests/test_combinations.py", "-k", "chunked and mean"),
+    ),
 )
 
 _SEQUENCE: tuple[Mutation, ...] = (
@@ -596,6 +615,13 @@ _VOCAB_PASS = "src/linear_ce/engine/vocab_pass.py"
 _VOCAB_PASS_TESTS = ("tests/test_token_logprobs.py", "-k", "many_row_groups_and_class_blocks")
 
 _VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "vocab_pass",
+        "the entropy's row dot keeps its last block only (each block written, not added)",
+        _TOKEN_HEAD,
+        (("                out.add_(part.sum(1))\n", "                out.copy_(part.sum(1))\n"),),
+        _VOCAB_PASS_TESTS,
+    ),
     Mutation(
         "vocab_pass",
         "the last class of each block is left out (off by one)",

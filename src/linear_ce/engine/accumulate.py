@@ -75,7 +75,12 @@ class DirectSum:
     the products take the power of two at or below ``scale`` on ``x``'s side (exact where
     ``x`` stays normal) and ``finish`` the rest, a factor in [1, 2). In the gradient tile
     instead, a small factor pushes its entries into the half dtype's subnormals (fp16,
-    8192 rows: the input gradient 4x, the weight gradient 10x the final rounding)."""
+    8192 rows: the input gradient 4x, the weight gradient 10x the final rounding). Where
+    the GEMM adds into the sum itself (operands of the sum's dtype: fp32/fp64) and ``scale``
+    is on the CPU (read once, here, before the loop: a device scalar would be a host
+    synchronisation), the products take all of it as the GEMM's ``alpha`` and ``finish``
+    none: no pass over the whole ``(V, P, F)`` sum (128 MiB at V=32768, F=1024 in fp32, a
+    fixed cost of a mean however few rows are valid)."""
 
     def __init__(
         self,
@@ -90,10 +95,15 @@ class DirectSum:
         self.gemm = gemm
         self._started: set[int] = set()
         self._x_scale = None
+        self._alpha = 1.0
+        self._scaled = False
         if scale is not None and dtype in HALF_DTYPES:
             # 1 where the scale is 0 (every row ignored: no product, a zero sum).
             power = torch.exp2(torch.floor(torch.log2(scale.to(torch.float32))))
             self._x_scale = torch.where(scale > 0, power, 1.0)
+        elif scale is not None and gemm.operand_dtype == dtype and scale.device.type == "cpu":
+            self._alpha = float(scale)
+            self._scaled = True
 
     def add(self, position: int, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """``sum[:, position] += grad_logitsᵀ · x``."""
@@ -108,10 +118,12 @@ class DirectSum:
             # 16 MiB bf16 slice, measured), so it goes a vocabulary block at a time there.
             whole = acc.is_contiguous()
             for block in [slice(None)] if whole else vocab_blocks(acc.shape[0], acc.shape[1]):
+                a, out = grad_logits[:, block].T, acc[block]
                 if first:
-                    torch.mm(grad_logits[:, block].T, x, out=acc[block])
+                    # beta=0: the buffer's old contents are ignored, NaN included.
+                    torch.addmm(out, a, x, beta=0, alpha=self._alpha, out=out)
                 else:
-                    acc[block].addmm_(grad_logits[:, block].T, x)
+                    out.addmm_(a, x, alpha=self._alpha)
             return
         # Another dtype: the product is formed a block of classes at a time, each in the
         # first block's (the largest) storage (see gemm.BlockUpcast on the heap).
@@ -128,7 +140,10 @@ class DirectSum:
                 acc[block].add_(product)
 
     def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum (times ``scale``, a 0-dim tensor) in the result dtype."""
+        """The sum (times ``scale``, a 0-dim tensor, unless the products took it) in the
+        result dtype."""
+        if self._scaled:
+            scale = None
         if scale is not None and self._x_scale is not None:
             scale = scale / self._x_scale
         summed = self._summed() if scale is None else self._summed().mul_(scale)
