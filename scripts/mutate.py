@@ -332,6 +332,18 @@ _SEQUENCE: tuple[Mutation, ...] = (
     ),
     Mutation(
         "sequence_objective",
+        "the scaled rows' tile without the target's column (δ_t dropped)",
+        "src/linear_ce/losses/sequence_objective.py",
+        (
+            (
+                "            return out.scatter_add_(1, self.safe_t, (factor * self.owned)[:, None])\n",
+                "            return out\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
+    ),
+    Mutation(
+        "sequence_objective",
         "the half tile keeps the plan's 64-row steps",
         "src/linear_ce/ops/sequence_objective.py",
         (("min(plan.rows_per_step, SEQUENCE_STEP_ROWS)", "plan.rows_per_step"),),

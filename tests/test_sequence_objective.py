@@ -1001,6 +1001,7 @@ _DPO_MEMORY_SETUP = """
 import ctypes, gc
 import torch, linear_ce
 ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # every large buffer mapped: the peak counts bytes held
+torch.set_num_threads(2)  # the GEMMs' own buffers grow with the threads (3.7 MiB at two)
 torch.manual_seed(0)
 x = torch.randn(8, 256, 1024).bfloat16().requires_grad_()
 W = (torch.randn(32768, 1024) / 32).bfloat16().requires_grad_()
@@ -1023,11 +1024,12 @@ ctypes.CDLL(None).malloc_trim(0)
 @pytest.mark.slow
 def test_bf16_dpo_step_memory_within_one_and_a_half_gradients():
     """The issue's bound at the bench's DPO point (4 pairs of 192 scored tokens, F=1024,
-    V=32768, bf16, native bf16 GEMMs): the step's transient peak, the gradients included,
-    at most 1.5× the gradients' bytes (measured 1.45×: one pair per chunk in a 24 MiB half
-    tile, 16-row steps, the input gradient written in bf16). The room left is smaller than
-    a second pair in the half tile (24 MiB), the fp32 input-gradient sum (8 MiB) or the
-    plan's 64-row step (6 MiB more), so a path that brought any of them back fails."""
+    V=32768, bf16, native bf16 GEMMs, two threads): the step's transient peak, the
+    gradients included, at most 1.5× the gradients' bytes (measured 1.42×: one pair per
+    chunk in a 24 MiB half tile, 32-row steps whose tile is freed for the gradient GEMMs,
+    the input gradient written in bf16). The room left is smaller than the fp32
+    input-gradient sum (8 MiB) or a second pair in the half tile (24 MiB), so a path that
+    brought either back fails."""
     from linear_ce.engine.capability import native_half_gemm
     from memory_probe import transient_peak
 
@@ -1037,4 +1039,4 @@ def test_bf16_dpo_step_memory_within_one_and_a_half_gradients():
     peak = transient_peak(_DPO_MEMORY_SETUP, "step()")
     room = 1.5 * grad_bytes - peak
     assert peak <= 1.5 * grad_bytes, f"peak {peak / grad_bytes:.3f}x the gradients' bytes"
-    assert room < 6 * 2**20, f"{room / 2**20:.1f} MiB of room: the test would miss a step tile"
+    assert room < 8 * 2**20, f"{room / 2**20:.1f} MiB of room: the test would miss an fp32 sum"

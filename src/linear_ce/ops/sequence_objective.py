@@ -61,12 +61,12 @@ __all__ = ["GROUP_BUDGET_FACTOR", "SEQUENCE_STEP_ROWS", "SequenceSpec", "sequenc
 #: ``"auto"``/``"budget[:N]"``, the share divided by ``N``); ``batch_chunk_size`` is a hard
 #: limit.
 GROUP_BUDGET_FACTOR = 2.0
-#: The most rows of a half tile's fp32 step (2 MiB at V=32768): the half tile of whole
+#: The most rows of a half tile's fp32 step (4 MiB at V=32768): the half tile of whole
 #: groups is most of what a step holds above the gradients (bf16 DPO at N=2048, F=1024,
-#: V=32768: one pair, 0.35× them), and the plan's 64-row step (8 MiB) would take 0.12×
-#: more: the step's peak 1.58× the gradients' bytes, 1.46-1.50× at 16 rows (the bench's
-#: measure; 1.45× with glibc's mmap threshold fixed).
-SEQUENCE_STEP_ROWS = 16
+#: V=32768: one pair, 0.35× them), and the plan's 64-row step (8 MiB) would take 0.06× more.
+#: 16-row steps measured 4-8% slower there (one thread, CPU time, load 6-7: their ~40 small
+#: operations each), 32 as fast as 64.
+SEQUENCE_STEP_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
