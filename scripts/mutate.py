@@ -290,8 +290,8 @@ _SEQUENCE: tuple[Mutation, ...] = (
         "src/linear_ce/engine/chunk_loop.py",
         (
             (
-                "x_op if factors is None else gemm.operand(x_op * factors[:, None])",
-                "x_op",
+                "x_op = _scale_rows(x_op, factors, x_rows_buf[:n])",
+                "_scale_rows(x_op, factors, x_rows_buf[:n])",
             ),
         ),
         ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
@@ -300,7 +300,93 @@ _SEQUENCE: tuple[Mutation, ...] = (
         "sequence_objective",
         "the half tile's scaled rows reach the input gradient unscaled",
         "src/linear_ce/engine/chunk_loop.py",
-        (("        part.mul_(factors[:, None])\n", "        pass\n"),),
+        (("        _scale_rows(part, factors, part)\n", "        pass\n"),),
+        ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "rows scaled in blocks: only the first block scaled",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "    for start in range(0, t.shape[0], SCALE_BLOCK_ROWS):\n",
+                "    for start in range(0, min(t.shape[0], SCALE_BLOCK_ROWS), SCALE_BLOCK_ROWS):\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "fewest_pairs"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the input gradient written once: gathered rows land on the chunk's first rows",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "        grad_x.index_copy_(0, rows, part.to(grad_x.dtype))\n",
+                "        grad_x[: part.shape[0]].copy_(part)\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "fewest_pairs"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the input gradient written once: a half tile's gathered rows never written",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "    in_place = isinstance(rows, slice) and (buffer is None or buffer.dtype == grad_x.dtype)\n",
+                "    in_place = buffer is None or buffer.dtype == grad_x.dtype\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "fewest_pairs"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "least_capacity bisects to a capacity that makes too many chunks",
+        "src/linear_ce/engine/sequence_layout.py",
+        (
+            (
+                "                low = middle + 1\n",
+                "                low = middle\n                break\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "least_capacity"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the half tile keeps the plan's long chunks (two pairs each)",
+        "src/linear_ce/ops/sequence_objective.py",
+        (
+            (
+                "        plan = dataclasses.replace(plan, rows_per_chunk=capacity)\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "fewest_pairs"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the scaled rows' tile without the target's column (δ_t dropped)",
+        "src/linear_ce/losses/sequence_objective.py",
+        (
+            (
+                "            return out.scatter_add_(1, self.safe_t, (factor * self.owned)[:, None])\n",
+                "            return out\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the half tile keeps the plan's 64-row steps",
+        "src/linear_ce/ops/sequence_objective.py",
+        (("min(plan.rows_per_step, SEQUENCE_STEP_ROWS)", "plan.rows_per_step"),),
+        ("tests/test_sequence_objective.py", "-k", "fewest_pairs"),
+    ),
+    Mutation(
+        "sequence_objective",
+        "the input gradient summed in fp32 again (rows_once dropped)",
+        "src/linear_ce/ops/sequence_objective.py",
+        (("        rows_once=True,\n", "        rows_once=False,\n"),),
         ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
     ),
     Mutation(

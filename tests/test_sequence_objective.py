@@ -889,3 +889,154 @@ def test_compiles_with_a_graph_break_around_the_call():
     assert rel_err(got, step(*ref_leaves).detach()) <= 3 * eps(torch.float32)
     for a, r in zip(leaves, ref_leaves, strict=True):
         assert rel_err(a.grad, r.grad) <= 3 * eps(torch.float32)
+
+
+def _next_fit_chunks(tokens: list[int], capacity: int) -> int:
+    """Chunks of whole groups, in order, a chunk closed when the next group does not fit."""
+    chunks, used = 0, capacity + 1
+    for n in tokens:
+        if used + n > capacity:
+            chunks, used = chunks + 1, 0
+        used += n
+    return chunks
+
+
+@given(
+    tokens=st.lists(st.integers(1, 30), min_size=1, max_size=12),
+    extra=st.integers(0, 60),
+    most=st.integers(1, 6),
+)
+def test_least_capacity_is_the_fewest_tokens_for_the_chunks(tokens, extra, most):
+    """``SequenceLayout.least_capacity``: the fewest scored tokens per chunk (from the
+    longest group up to the plan's capacity) whose chunks of whole groups number at most
+    ``most``, or as many as the plan's capacity makes where that is more; against a
+    search over every capacity with next-fit packing written here."""
+    from linear_ce.engine.sequence_layout import sequence_layout
+
+    length = max(tokens)
+    target = torch.full((len(tokens), length), -100)
+    for s, n in enumerate(tokens):
+        target[s, :n] = 1
+    layout = sequence_layout(
+        "test",
+        target,
+        target,
+        -100,
+        0,
+        sequence=None,
+        cu_seqlens=None,
+        group=None,
+        device=torch.device("cpu"),
+    )
+    capacity = length + extra
+    limit = max(most, _next_fit_chunks(tokens, capacity))
+    want = min(c for c in range(length, capacity + 1) if _next_fit_chunks(tokens, c) <= limit)
+    got = layout.least_capacity(capacity, most)
+    assert got == want
+    assert len(layout.chunks(got, torch.device("cpu"))) == _next_fit_chunks(tokens, want)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("pairs", "per_chunk"), [(4, 1), (8, 2), (3, 1)])
+def test_bf16_chunks_of_fewest_pairs_and_short_steps(pairs, per_chunk, native, monkeypatch):
+    """bf16 DPO pairs (prompts ignored: every chunk's rows gathered) under the default
+    plan, which would hold every pair in one chunk: with native bf16 GEMMs the half tile
+    takes chunks of the fewest pairs that keep DIRECT_SUM_MAX_CHUNKS chunks (the weight
+    gradient held in the bf16 result) and steps of at most SEQUENCE_STEP_ROWS rows; the
+    input gradient is written per chunk in bf16 (fp32 products rounded once where the
+    GEMMs are not native). Against the DPO loss typed here in float64 on the full
+    logits."""
+    import linear_ce.ops.sequence_objective as op
+
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1" if native else "0")
+    monkeypatch.delenv("LINEAR_CE_STEP_ROWS", raising=False)
+    plans = []
+    run = op.run_chunks
+
+    def spy(*args, **kwargs):
+        plans.append((args[5], len(kwargs["chunks"][0])))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(op, "run_chunks", spy)
+    g = torch.Generator().manual_seed(pairs)
+    # At most 512 rows: the plan's chunks of 128 or more rows number at most 4 (direct).
+    length, prompt, feat, classes = 32, 6, 16, 97
+    x64 = torch.randn(2 * pairs, length, feat, generator=g, dtype=torch.float64)
+    w64 = torch.randn(classes, feat, generator=g, dtype=torch.float64) * 2 / feat**0.5
+    t = torch.randint(0, classes, (2 * pairs, length), generator=g)
+    t[:, :prompt] = -100
+    ref_lp = -(length - prompt) * 4 + torch.randn(2 * pairs, generator=g, dtype=torch.float64)
+
+    def grads_of(dtype, fused):
+        x, w = (v.to(dtype).requires_grad_() for v in (x64, w64))
+        if fused:
+            loss = linear_ce.sequence_objective(
+                x, w, t, obj.dpo(0.5), group="pairs", ref_logprob=ref_lp.to(dtype)
+            ).loss
+        else:
+            logits = x @ w.T
+            lp = torch.log_softmax(logits if dtype == torch.float64 else logits.float(), -1)
+            scored = t != -100
+            tok = lp.gather(-1, torch.where(scored, t, 0)[..., None])[..., 0] * scored
+            c, r = (tok.sum(1) - ref_lp.to(lp.dtype)).chunk(2)
+            loss = -F.logsigmoid(0.5 * (c - r)).mean()
+        return [loss, *torch.autograd.grad(loss, [x, w])]
+
+    got = grads_of(torch.bfloat16, True)
+    ((plan, chunks),) = plans
+    if native and not isinstance(plan.gemm, NativeHalf):
+        pytest.skip("no native bf16 GEMMs on this CPU: no half tile")
+    if native:
+        assert plan.weight_grad == "direct"
+        assert chunks == -(-pairs // per_chunk) <= DIRECT_SUM_MAX_CHUNKS
+        assert plan.rows_per_chunk == per_chunk * 2 * (length - prompt)
+        assert plan.rows_per_step == min(op.SEQUENCE_STEP_ROWS, plan.rows_per_chunk)
+    want, plain = grads_of(torch.float64, False), grads_of(torch.bfloat16, False)
+    # The house bound: 3 eps, or twice the plain bf16 expression's own error.
+    for a, w, p in zip(got, want, plain, strict=True):
+        assert rel_err(a, w) <= max(3 * eps(torch.bfloat16), 2 * rel_err(p, w))
+
+
+_DPO_MEMORY_SETUP = """
+import ctypes, gc
+import torch, linear_ce
+ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # every large buffer mapped: the peak counts bytes held
+torch.set_num_threads(2)  # the GEMMs' own buffers grow with the threads (3.7 MiB at two)
+torch.manual_seed(0)
+x = torch.randn(8, 256, 1024).bfloat16().requires_grad_()
+W = (torch.randn(32768, 1024) / 32).bfloat16().requires_grad_()
+t = torch.randint(0, 32768, (8, 256))
+t[:, :64] = -100
+ref = torch.randn(8) - 192 * 10.4
+
+def step():
+    linear_ce.sequence_objective(
+        x, W, t, linear_ce.objectives.dpo(0.1), group="pairs", ref_logprob=ref
+    ).loss.backward()
+
+step()
+x.grad = W.grad = None
+gc.collect()
+ctypes.CDLL(None).malloc_trim(0)
+"""
+
+
+@pytest.mark.slow
+def test_bf16_dpo_step_memory_within_one_and_a_half_gradients():
+    """The issue's bound at the bench's DPO point (4 pairs of 192 scored tokens, F=1024,
+    V=32768, bf16, native bf16 GEMMs, two threads): the step's transient peak, the
+    gradients included, at most 1.5× the gradients' bytes (measured 1.42×: one pair per
+    chunk in a 24 MiB half tile, 32-row steps whose tile is freed for the gradient GEMMs,
+    the input gradient written in bf16). The room left is smaller than the fp32
+    input-gradient sum (8 MiB) or a second pair in the half tile (24 MiB), so a path that
+    brought either back fails."""
+    from linear_ce.engine.capability import native_half_gemm
+    from memory_probe import transient_peak
+
+    if not native_half_gemm(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native bf16 GEMMs on this CPU: no half tile")
+    grad_bytes = (2048 + 32768) * 1024 * 2
+    peak = transient_peak(_DPO_MEMORY_SETUP, "step()")
+    room = 1.5 * grad_bytes - peak
+    assert peak <= 1.5 * grad_bytes, f"peak {peak / grad_bytes:.3f}x the gradients' bytes"
+    assert room < 8 * 2**20, f"{room / 2**20:.1f} MiB of room: the test would miss an fp32 sum"

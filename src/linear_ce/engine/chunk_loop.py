@@ -34,6 +34,11 @@ over the half tile, and the input gradient keeps one rounding of the tile. Witho
 gradients (and without ``late_sums``) the steps keep their row sums and maxima for the
 chunk, which are combined over shards and handed to ``rows_done`` once per chunk.
 
+Where each row is in one chunk (``rows_once``: a caller's chunks of whole sequences, one
+output position), a half input's gradient is written per chunk in the input dtype instead
+of summed in an ``(N, F)`` ``acc_dtype`` buffer (bf16 DPO at N=2048, F=1024: 8 MiB, 0.12×
+the gradients' bytes): each row's value is the same one rounding of the same fp32 value.
+
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
 transformed by its own transform, shifted by their row max over every shard
@@ -81,6 +86,9 @@ __all__ = [
 #: in fp32: it stays in L2 between the exponential and the head's row sums).
 EXP_BLOCK_ELEMENTS = 1 << 17
 _LOG2_E = math.log2(math.e)
+#: Rows scaled at a time by their factors (``scaled_rows``): 256 KiB of fp32 temporaries
+#: at 1024 features, not the chunk's.
+SCALE_BLOCK_ROWS = 32
 
 
 @dataclasses.dataclass
@@ -202,6 +210,7 @@ def run_chunks(
     companion: Companion | None = None,
     chunks: list[list[RowChunk]] | None = None,
     grad_scale: torch.Tensor | None = None,
+    rows_once: bool = False,
 ) -> Gradients:
     """Run ``head`` over ``input`` ``(N, F)``, ``weight`` ``(V, P, F)``, ``bias`` ``(V, P)``
     (and a ``companion`` head over the same rows); returns the gradients of the head's
@@ -216,7 +225,12 @@ def run_chunks(
 
     ``chunks``: each position's chunks of rows, given by the caller instead of
     ``row_chunks(head.valid, ...)`` (a head whose chunks must hold whole sequences,
-    :mod:`linear_ce.engine.sequence_layout`); none longer than ``plan.rows_per_chunk``."""
+    :mod:`linear_ce.engine.sequence_layout`); none longer than ``plan.rows_per_chunk``.
+
+    ``rows_once``: no row is in two of ``chunks`` and there is one position, so a half
+    input's gradient is written per chunk in its own dtype (see the module doc); without
+    ``grad_scale`` (a head folds its scale into its upstream gradients). A head with
+    ``scaled_rows`` needs it, as its input gradient's rows are scaled as they are written."""
     rows, in_features = input.shape
     local_classes, positions, _ = weight.shape
     vocab = vocab or LocalVocab(local_classes)
@@ -244,14 +258,23 @@ def run_chunks(
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
-    x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input)
+    # The input gradient in its own dtype, written once per row (see the module doc).
+    narrow = rows_once and grad_input and input.dtype != acc
+    x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input and not narrow)
     # Two sweeps (see the module doc) keep every step's statistics for the chunk.
     after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
     scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
     two_sweeps = after_chunk and not scaled_rows
-    if scaled_rows and grad_input and gx_rows_buf is None:
-        # Scaled rows of the input gradient are formed aside, consecutive chunks too.
+    if rows_once and (positions != 1 or grad_scale is not None):
+        raise ValueError("run_chunks: rows_once is for one position and no grad_scale")
+    if scaled_rows and grad_input and not narrow:
+        raise ValueError("run_chunks: a head with scaled_rows writes its input gradient once")
+    if narrow and not half:
+        # fp32 products (not a half tile's GEMMs): each chunk's sum is rounded once, aside.
         gx_rows_buf = torch.empty((chunk, in_features), dtype=acc, device=device)
+    if scaled_rows and grad_weight and x_rows_buf is None:
+        # The rows of x times their factors are formed aside, consecutive chunks too.
+        x_rows_buf = torch.empty((chunk, in_features), dtype=input.dtype, device=device)
     factors = None
     # Without gradients (and late sums) a head's outputs need its rows' statistics alone:
     # a half tile's steps keep them for the chunk, combined and handed to the head once
@@ -265,7 +288,11 @@ def run_chunks(
     if companion is not None:
         other = _CompanionBuffers(companion, chunk, local_classes, acc, x_rows_buf is not None)
 
-    grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
+    grad_x = (
+        torch.zeros((rows, in_features), dtype=input.dtype if narrow else acc, device=device)
+        if grad_input
+        else None
+    )
     if grad_scale is not None:
         grad_scale = grad_scale.to(acc)
     grad_w = weight_grad_sum(plan, weight.shape, device, grad_scale) if grad_weight else None
@@ -332,6 +359,8 @@ def run_chunks(
             n = chunk_size(chunk_rows)
             x_op = gemm.operand(rows_of(input, chunk_rows, x_rows_buf))
             if half:
+                if tile is None:
+                    tile = buffer(step, local_classes, acc, device)
                 logits = half_tile[:n]
                 gemm.half_logits(logits, x_op, w_op)
                 for start in range(0, n, step):
@@ -361,6 +390,10 @@ def run_chunks(
                         logits[part].copy_(grad_math(u, e, sub_rows, p, row_stats))
                 if scaled_rows:
                     factors = head.row_factors(chunk_rows, p)
+                    # No step tile during the gradient GEMMs, whose own buffers then take
+                    # its place at the peak (bf16 DPO, N=2048, 32-row steps: 4 MiB, the
+                    # input gradient's GEMM 3.7 MiB with two threads); made again per chunk.
+                    tile = u = None
                 g = logits
             else:
                 u = tile[:n]
@@ -369,12 +402,17 @@ def run_chunks(
             if g is None or not (grad_input or grad_weight):
                 continue
             g_op = gemm.operand(g)
-            if grad_input:
-                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf, factors)
+            # The weight gradient first: its operand x (gathered or scaled) is then free to
+            # hold a half tile's input-gradient rows (``narrow``).
             if grad_weight:
-                grad_w.add(
-                    p, g_op, x_op if factors is None else gemm.operand(x_op * factors[:, None])
-                )
+                if factors is not None:
+                    x_op = _scale_rows(x_op, factors, x_rows_buf[:n])
+                grad_w.add(p, g_op, x_op)
+            if narrow:
+                part = x_rows_buf if half else gx_rows_buf
+                _write_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, part, factors)
+            elif grad_input:
+                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf)
 
     out_dtype = plan.input_dtype
     if grad_scale is not None:
@@ -444,22 +482,52 @@ def add_grad_input_rows(
     grad_logits: torch.Tensor,
     weight: torch.Tensor,
     buffer: torch.Tensor | None,
-    factors: torch.Tensor | None = None,
 ) -> None:
-    """``grad_x[rows] += grad_logits @ weight`` (each row times ``factors`` ``(B,)`` where
-    given): in place for consecutive rows without factors, else through ``buffer`` (at
-    least ``len(rows)`` rows) and an addition."""
-    if isinstance(rows, slice) and factors is None:
+    """``grad_x[rows] += grad_logits @ weight``: in place for consecutive rows, else
+    through ``buffer`` (at least ``len(rows)`` rows) and an addition."""
+    if isinstance(rows, slice):
         gemm.add_grad_input(grad_x[rows], grad_logits, weight)
         return
     part = buffer[: chunk_size(rows)].zero_()
     gemm.add_grad_input(part, grad_logits, weight)
+    grad_x.index_add_(0, rows, part)
+
+
+def _write_grad_input_rows(
+    gemm: Gemm,
+    grad_x: torch.Tensor,
+    rows: RowChunk,
+    grad_logits: torch.Tensor,
+    weight: torch.Tensor,
+    buffer: torch.Tensor | None,
+    factors: torch.Tensor | None,
+) -> None:
+    """``grad_x[rows] = grad_logits @ weight`` (each row times ``factors`` ``(B,)`` where
+    given) for rows still zero in ``grad_x`` (``rows_once``), each value rounded to
+    ``grad_x``'s dtype once: a ``buffer`` of that dtype (products in it: a half tile's
+    GEMMs) is used only for gathered rows, consecutive ones are formed in place; a wider
+    ``buffer`` (at least ``len(rows)`` rows) holds every chunk's sum before it is rounded."""
+    in_place = isinstance(rows, slice) and (buffer is None or buffer.dtype == grad_x.dtype)
+    part = grad_x[rows] if in_place else buffer[: chunk_size(rows)].zero_()
+    gemm.add_grad_input(part, grad_logits, weight)
     if factors is not None:
-        part.mul_(factors[:, None])
+        _scale_rows(part, factors, part)
+    if in_place:
+        return
     if isinstance(rows, slice):
-        grad_x[rows].add_(part)
+        grad_x[rows].copy_(part)
     else:
-        grad_x.index_add_(0, rows, part)
+        grad_x.index_copy_(0, rows, part.to(grad_x.dtype))
+
+
+def _scale_rows(t: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = t * factors[:, None]`` (``out`` may be ``t``), ``SCALE_BLOCK_ROWS`` rows at a
+    time: a half ``t`` times fp32 ``factors`` is formed in fp32 temporaries of the rows'
+    size (2.8 MiB for 384 rows of 1024 bf16 features, measured), each value rounded once."""
+    for start in range(0, t.shape[0], SCALE_BLOCK_ROWS):
+        rows = slice(start, start + SCALE_BLOCK_ROWS)
+        torch.mul(t[rows], factors[rows, None], out=out[rows])
+    return out
 
 
 def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:

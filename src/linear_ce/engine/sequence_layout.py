@@ -95,7 +95,27 @@ class SequenceLayout:
         alone has more than ``capacity`` tokens."""
         if self.max_group_tokens > capacity:
             return None
-        spans = []  # (first group, end group) per chunk
+        return self._make_chunks(self._spans(capacity), device)
+
+    def least_capacity(self, capacity: int, most_chunks: int) -> int:
+        """The fewest scored tokens per chunk (at least ``max_group_tokens``, at most
+        ``capacity``) that pack the groups as :meth:`chunks` does into at most
+        ``most_chunks`` chunks, or as few as ``capacity`` does where that makes more. Fewer
+        tokens never make fewer chunks (whole groups, in order, a chunk closed when the next
+        does not fit), so it is searched by bisection."""
+        low, high = self.max_group_tokens, max(capacity, self.max_group_tokens)
+        most_chunks = max(most_chunks, len(self._spans(high)))
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._spans(middle)) <= most_chunks:
+                high = middle
+            else:
+                low = middle + 1
+        return high
+
+    def _spans(self, capacity: int) -> list[tuple[int, int]]:
+        """``(first group, end group)`` of each chunk of at most ``capacity`` tokens."""
+        spans = []
         start, used = 0, 0
         for g, n in enumerate(self._group_tokens.tolist()):
             if used + n > capacity and g > start:
@@ -104,7 +124,7 @@ class SequenceLayout:
             used += n
         if self.totals.groups:
             spans.append((start, self.totals.groups))
-        return self._make_chunks(spans, device)
+        return spans
 
     def one_chunk(self, device: torch.device) -> GroupChunk:
         """Every group in one chunk (the objective of the four-GEMM path)."""

@@ -364,12 +364,6 @@ class SequenceHead(TokenLogprobHead):
         if scaled_rows and entropy:
             raise ValueError("SequenceHead: scaled_rows is for a head without entropy")
         self.scaled_rows = scaled_rows
-        # The unit upstream of grad_tile with scaled_rows: a row's tile is δ_t − p.
-        self.unit = torch.ones(
-            max((c.size for c in chunks), default=0) if scaled_rows else 0,
-            dtype=frame.acc_dtype,
-            device=frame.valid.device,
-        )
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         super().rows_done(rows, p, stats)
@@ -395,6 +389,15 @@ class SequenceHead(TokenLogprobHead):
     def grad_tile(
         self, u: torch.Tensor, e: torch.Tensor, rows: RowChunk, p: int, stats: RowStats, factor
     ) -> torch.Tensor:
+        if self.scaled_rows:
+            # factor · (δ_t − p), the unit upstream's tile of TokenLogprobHead (the same
+            # operations on the same values) in one sweep, where sums_before_exp has just
+            # kept these rows' target columns: ~10 small operations a step fewer (16-row
+            # steps: ~1000 of a bf16 DPO step at N=2048).
+            z = stats.sum_exp
+            # A tensor's division, as there: a float over a tensor is a reciprocal and a product.
+            out = e.mul_((z.new_tensor(-factor) / z)[:, None])
+            return out.scatter_add_(1, self.safe_t, (factor * self.owned)[:, None])
         # The rows' own target columns and entropy mean: with two sweeps the last step of
         # the first sweep left its own (TokenLogprobHead keeps them from sums_before_exp
         # and rows_done).
@@ -411,8 +414,6 @@ class SequenceHead(TokenLogprobHead):
         return self.grad_logprob[rows, p]
 
     def upstream(self, rows: RowChunk, p: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.scaled_rows:
-            return self.unit[: chunk_size(rows)], None
         g_on, h_on = self.flows
         return (
             self.grad_logprob[rows, p] if g_on else None,

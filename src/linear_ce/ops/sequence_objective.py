@@ -23,6 +23,7 @@ gradient); backward scales the stored gradients by the loss's upstream gradient.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -33,7 +34,7 @@ from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
 from linear_ce.engine.gemm import NativeHalf
 from linear_ce.engine.head import HeadFrame
-from linear_ce.engine.machine import memory_budget
+from linear_ce.engine.machine import STEP_ROWS_ENV, memory_budget
 from linear_ce.engine.plan import (
     BUDGET_SHARE,
     DIRECT_SUM_MAX_CHUNKS,
@@ -51,7 +52,7 @@ from linear_ce.losses.token_logprob import TokenLogprobGradient, TokenLogprobHea
 from linear_ce.ops.autograd import HandOver, hand_over_gradients
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
-__all__ = ["GROUP_BUDGET_FACTOR", "SequenceSpec", "sequence_objective_op"]
+__all__ = ["GROUP_BUDGET_FACTOR", "SEQUENCE_STEP_ROWS", "SequenceSpec", "sequence_objective_op"]
 
 #: A chunk may grow beyond the plan's to hold the longest group while its tiles take at most
 #: this many times the budget rule's share of the gradients' bytes
@@ -60,6 +61,12 @@ __all__ = ["GROUP_BUDGET_FACTOR", "SequenceSpec", "sequence_objective_op"]
 #: ``"auto"``/``"budget[:N]"``, the share divided by ``N``); ``batch_chunk_size`` is a hard
 #: limit.
 GROUP_BUDGET_FACTOR = 2.0
+#: The most rows of a half tile's fp32 step (4 MiB at V=32768): the half tile of whole
+#: groups is most of what a step holds above the gradients (bf16 DPO at N=2048, F=1024,
+#: V=32768: one pair, 0.35× them), and the plan's 64-row step (8 MiB) would take 0.06× more.
+#: 16-row steps measured 4-8% slower there (one thread, CPU time, load 6-7: their ~40 small
+#: operations each), 32 as fast as 64.
+SEQUENCE_STEP_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +161,26 @@ def _group_rows(
     return max(plan.rows_per_chunk, int(share * grad_bytes / divisor) // max(row_bytes, 1))
 
 
+def _small_half_tile(input: torch.Tensor, spec: SequenceSpec, plan: Plan) -> Plan:
+    """The plan of a half tile with chunks and steps held to what whole groups need.
+
+    Chunks: a half weight gradient held in the result (``"direct"``) rounds once per chunk,
+    within the bound up to ``DIRECT_SUM_MAX_CHUNKS`` chunks, so chunks take the fewest
+    rows that many chunks of whole groups allow (as many as the plan's chunks where those
+    are more). The half tile is most of the step's memory: bf16 DPO at N=2048, F=1024,
+    V=32768 holds one pair (24 MiB) per chunk, not two (0.35× the gradients' bytes less);
+    the three GEMMs of four one-pair chunks measured within 1% of two two-pair chunks'
+    (one thread). Steps: at most ``SEQUENCE_STEP_ROWS`` rows, unless
+    ``LINEAR_CE_STEP_ROWS`` forces them."""
+    layout = spec.layout
+    if plan.weight_grad == "direct" and layout.max_group_tokens:
+        capacity = layout.least_capacity(plan.rows_per_chunk, DIRECT_SUM_MAX_CHUNKS)
+        plan = dataclasses.replace(plan, rows_per_chunk=capacity)
+    if os.environ.get(STEP_ROWS_ENV, "auto").strip() != "auto":
+        return plan
+    return dataclasses.replace(plan, rows_per_step=min(plan.rows_per_step, SEQUENCE_STEP_ROWS))
+
+
 def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
     """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
     call, layout = spec.call, spec.layout
@@ -165,6 +192,8 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
         # Chunks just long enough for the longest group (a half tile keeps its steps).
         step = plan.rows_per_step if _half_tile(input, plan) else longest
         plan = dataclasses.replace(plan, rows_per_chunk=longest, rows_per_step=step)
+    if _half_tile(input, plan):
+        plan = _small_half_tile(input, spec, plan)
     chunks = layout.chunks(plan.rows_per_chunk, input.device)
     if chunks is None:
         return None
@@ -196,6 +225,9 @@ def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradient
         grad_bias=spec.needs.bias,
         vocab=spec.vocab,
         chunks=[[c.rows for c in chunks]],
+        # Each scored row is in one chunk of whole groups: a half input gradient is
+        # written per chunk, without an fp32 (N, F) sum.
+        rows_once=True,
     )
 
 
