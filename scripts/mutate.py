@@ -1299,6 +1299,7 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         "src/linear_ce/engine/row_reductions.py",
         (("out.add_(tile[:, -rest:].sum(dim=1))", "out.add_(0)"),),
         ("tests/test_row_reductions.py",),
+        quick=True,
     ),
     Mutation(
         "chunk_loop",
