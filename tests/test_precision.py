@@ -486,3 +486,36 @@ def test_half_tile_token_logprobs_forward_and_objective():
     for i, (g, s, e) in enumerate(zip(got, results["same"], results["exact"], strict=True)):
         bound = max(3 * eps(dtype), 2 * rel_err(s, e))
         assert rel_err(g, e) <= bound, f"output {i}: {rel_err(g, e):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("native", ["0", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_scale_in_the_weight_gradient_products(monkeypatch, native, dtype) -> None:
+    """A mean's ``1/count`` taken into the weight-gradient GEMMs (``alpha`` where they add
+    into an fp32 sum of their own dtype: fp32 inputs, or half inputs under
+    ``acc_policy="accurate"`` with fp32 operands), over 32 chunks with a third of the rows
+    ignored: within the house bound of float64 for loss and both gradients. Scaling it
+    twice or not at all is off by ~2700x."""
+    monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, native)
+    gen = torch.Generator().manual_seed(11)
+    rows, features, classes = 4096, 32, 300
+    x = torch.randn(rows, features, generator=gen, dtype=torch.float64)
+    w = torch.randn(classes, features, generator=gen, dtype=torch.float64) / 3
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[::3] = -100
+
+    def run(fn, a, b):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = fn(a, b)
+        loss.backward()
+        return loss, a.grad, b.grad
+
+    exact = run(lambda a, b: F.cross_entropy(a @ b.T, t), x, w)
+    xd, wd = x.to(dtype), w.to(dtype)
+    plain = run(lambda a, b: F.cross_entropy(a @ b.T, t), xd, wd)
+    options = LinearCrossEntropyOptions(acc_policy="accurate", batch_chunk_size=128)
+    got = run(lambda a, b: linear_ce.linear_cross_entropy(a, b, t, options=options), xd, wd)
+    for name, g, p, e in zip(("loss", "grad_input", "grad_weight"), got, plain, exact, strict=True):
+        # The house bound: 3 eps, or twice the plain same-dtype expression's own error.
+        bound = max(3 * eps(dtype), 2 * rel_err(p, e))
+        assert rel_err(g, e) <= bound, (name, rel_err(g, e), bound)

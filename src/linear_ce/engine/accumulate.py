@@ -190,9 +190,6 @@ class SplitSum:
         else:
             self._update(position, [(grad_logits, x)])
 
-    #: The fp32 sum is rounded to the result dtype once, in ``finish``.
-    rounds_per_chunk = False
-
     def finish(self, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The sum (times ``scale``, a 0-dim tensor, in fp32) rounded to the result dtype,
         in the result's storage; frees the plane."""
@@ -268,7 +265,7 @@ def weight_grad_sum(
         return SplitSum(result, plan.gemm, pair_chunks=pair)
     if plan.weight_grad == "wide":
         wide = torch.empty(shape, dtype=plan.weight_grad_dtype, device=device)
-        return DirectSum(wide, plan.gemm, plan.input_dtype)
+        return DirectSum(wide, plan.gemm, plan.input_dtype, scale=scale)
     return DirectSum(
         torch.empty(shape, dtype=plan.input_dtype, device=device), plan.gemm, scale=scale
     )
