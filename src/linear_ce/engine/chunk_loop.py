@@ -62,6 +62,7 @@ import torch
 from linear_ce.engine.accumulate import weight_grad_sum
 from linear_ce.engine.gemm import Gemm
 from linear_ce.engine.head import Head, RowStats
+from linear_ce.engine.native_rows import NativeRows, native_rows
 from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.row_reductions import row_max as tile_row_max
@@ -246,23 +247,32 @@ def run_chunks(
     half = step < chunk
     buffer = gemm.half_tile_buffer if half else gemm.logits_buffer
     half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
-    tile = buffer(step, local_classes, acc, device)
+    # The compiled row loops (see the module doc) where the head and the call allow them.
+    native = _native_rows(input, head, transform, vocab, bias, companion) if half else None
+    tile = None if native else buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
-        if keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
+        if tile is not None
+        and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
         else None
     )
     exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
     exp_block = (
-        buffer(step, exp_step, acc, device) if head.keeps_logits and exp_tile is None else None
+        buffer(step, exp_step, acc, device)
+        if tile is not None and head.keeps_logits and exp_tile is None
+        else None
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
-    sech2 = torch.empty_like(tile) if want_grads and transform.softcap is not None else None
+    sech2 = (
+        torch.empty_like(tile)
+        if tile is not None and want_grads and transform.softcap is not None
+        else None
+    )
     # The input gradient in its own dtype, written once per row (see the module doc).
     narrow = rows_once and grad_input and input.dtype != acc
     x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input and not narrow)
     # Two sweeps (see the module doc) keep every step's statistics for the chunk.
-    after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
+    after_chunk = half and not native and want_grads and getattr(head, "grads_after_chunk", False)
     scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
     two_sweeps = after_chunk and not scaled_rows
     if rows_once and (positions != 1 or grad_scale is not None):
@@ -281,7 +291,7 @@ def run_chunks(
     # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
     # floor at 16-row steps on 2 Sapphire Rapids cores).
     chunk_stats = half and not want_grads and not head.late_sums
-    kept = chunk if two_sweeps or chunk_stats else step
+    kept = chunk if two_sweeps or chunk_stats or native else step
     stats_buf = torch.empty((kept, 1 + head.extra_sums), dtype=acc, device=device)
     late_buf = torch.empty((kept, head.late_sums), dtype=acc, device=device)
     max_buf = torch.empty((kept,), dtype=acc, device=device) if two_sweeps or chunk_stats else None
@@ -358,7 +368,14 @@ def run_chunks(
         for chunk_rows in chunks[p]:
             n = chunk_size(chunk_rows)
             x_op = gemm.operand(rows_of(input, chunk_rows, x_rows_buf))
-            if half:
+            if native:
+                g = half_tile[:n]
+                gemm.half_logits(g, x_op, w_op)
+                if not _native_chunk(
+                    native, g, head, chunk_rows, p, transform, stats_buf[:n], want_grads
+                ):
+                    continue
+            elif half:
                 if tile is None:
                     tile = buffer(step, local_classes, acc, device)
                 logits = half_tile[:n]
@@ -528,6 +545,64 @@ def _scale_rows(t: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> to
         rows = slice(start, start + SCALE_BLOCK_ROWS)
         torch.mul(t[rows], factors[rows, None], out=out[rows])
     return out
+
+
+def _native_rows(
+    input: torch.Tensor,
+    head: Head,
+    transform: LogitTransform,
+    vocab: Vocab,
+    bias: torch.Tensor | None,
+    companion: Companion | None,
+) -> NativeRows | None:
+    """The compiled row loops for this call's half tile, or ``None`` where the head, the
+    transform, a bias, a companion or a sharded vocabulary needs the torch operations."""
+    if (
+        not getattr(head, "native", False)
+        or head.late_sums
+        or bias is not None
+        or companion is not None
+        or transform.softcap is not None
+        or not isinstance(vocab, LocalVocab)
+        or input.device.type != "cpu"
+    ):
+        return None
+    return native_rows(input.dtype)
+
+
+def _native_chunk(
+    native: NativeRows,
+    tile: torch.Tensor,
+    head: Head,
+    rows: RowChunk,
+    p: int,
+    transform: LogitTransform,
+    stats: torch.Tensor,
+    want_grads: bool,
+) -> bool:
+    """A chunk's row math by the compiled loops, on its half ``tile`` of raw logits: the
+    statistics, ``rows_done`` once for the chunk, then (unless ``want_grads`` is off) its
+    gradient written over the tile (``want_grads``). Returns whether it was."""
+    targets, dot = head.native_targets(rows, p)
+    sums = native.stats(tile, scale=transform.factor, target=targets, dot=dot)
+    stats[:, 0] = sums.sum_exp
+    head.native_sums(sums.target_u, sums.dot, stats[:, 1:])
+    row_stats = _row_stats(sums.row_max, stats)
+    head.rows_done(rows, p, row_stats)
+    if not want_grads:
+        return False
+    grad = head.native_grad(rows, p, row_stats, transform.factor)
+    native.grad_(
+        tile,
+        sums.row_max,
+        grad.a,
+        scale=transform.factor,
+        b=grad.b,
+        mu=grad.mu,
+        target=targets,
+        gamma=grad.gamma,
+    )
+    return True
 
 
 def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:

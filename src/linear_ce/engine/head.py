@@ -43,7 +43,15 @@ import torch
 
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["Head", "HeadFrame", "KnownStatsHead", "RowStats", "Tile"]
+__all__ = [
+    "Head",
+    "HeadFrame",
+    "KnownStatsHead",
+    "NativeGrad",
+    "NativeRowsHead",
+    "RowStats",
+    "Tile",
+]
 
 #: A tile of the loop: ``(B, C)`` values of one chunk's rows (``B``) and classes (``C``, the
 #: local vocabulary or a block of it) in the accumulation dtype: logits, their exponentials,
@@ -119,6 +127,40 @@ class Head(Protocol):
         self, u: Tile, e: Tile, rows: RowChunk, p: int, stats: RowStats, factor: float
     ) -> Tile:
         """Overwrite a tile with ``factor · ∂L/∂s`` and return it."""
+
+
+@dataclasses.dataclass
+class NativeGrad:
+    r"""A head's gradient in the form the compiled row loops write
+    (:mod:`linear_ce.engine.native_rows`), per row ``(B,)``:
+    :math:`g_j = e^{u_j}\,(a + b\,(u_j - \mu)) + \gamma\,[j = t]` (``b``, ``mu``: ``None``
+    for none; the target columns those :meth:`NativeRowsHead.native_targets` gave)."""
+
+    a: torch.Tensor
+    gamma: torch.Tensor
+    b: torch.Tensor | None = None
+    mu: torch.Tensor | None = None
+
+
+class NativeRowsHead(Protocol):
+    r"""A head whose row math the compiled row loops do on a half tile: its row sums are the
+    target column's :math:`u_t` and, where ``native_targets`` asks, :math:`\sum_j e^{u_j} u_j`; its
+    gradient is a :class:`NativeGrad`. ``native`` says whether this call's options allow it."""
+
+    native: bool
+
+    def native_targets(self, rows: RowChunk, p: int) -> tuple[torch.Tensor, bool]:
+        """The rows' local target columns ``(B,)`` (``-1`` where another shard holds the
+        target) and whether the loops must form the dot sum."""
+
+    def native_sums(
+        self, target_u: torch.Tensor, dot: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """The head's row sums (``out``, as ``sums_before_exp`` and ``sums_after_exp`` write
+        them) from the loops' ``target_u`` and ``dot``."""
+
+    def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
+        """``factor · ∂L/∂s`` of ``rows`` as a :class:`NativeGrad`, after ``rows_done``."""
 
 
 class KnownStatsHead(Protocol):

@@ -50,7 +50,7 @@ import dataclasses
 import torch
 
 from linear_ce.checks.call import Call
-from linear_ce.engine.head import RowStats, Tile
+from linear_ce.engine.head import NativeGrad, RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["CrossEntropyHead", "RowTerms", "mean_denominator", "row_terms", "row_weights"]
@@ -223,6 +223,8 @@ class CrossEntropyHead:
         shape, acc = terms.valid.shape, terms.A.dtype
         self.row_loss = torch.zeros(shape, dtype=acc, device=terms.A.device)
         self.lse = torch.zeros(shape, dtype=acc, device=terms.A.device)
+        # The compiled row loops form u_t, not the smoothing term's Σu or a soft target's Σqu.
+        self.native = terms.target is not None and not self.smoothing
 
     def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         # Σ_j a_ij u_ij: the target logit, the smoothing term, the soft target.
@@ -247,6 +249,23 @@ class CrossEntropyHead:
 
     def sums_after_exp(self, u: Tile, e: Tile, out: torch.Tensor) -> None:
         pass
+
+    def native_targets(self, rows: RowChunk, p: int) -> tuple[torch.Tensor, bool]:
+        local_t = self.terms.target[rows, p] - self.start
+        self.owned = (local_t >= 0) & (local_t < self.local)
+        self.alpha_rows = self.terms.alpha[rows, p]
+        return torch.where(self.owned, local_t, -1), False
+
+    def native_sums(
+        self, target_u: torch.Tensor, dot: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        torch.mul(target_u, self.alpha_rows, out=out[:, 0])
+
+    def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
+        terms = self.terms
+        r = terms.scale[rows, p] * factor
+        a = r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp
+        return NativeGrad(a=a, gamma=-(r * self.alpha_rows) * self.owned)
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         terms = self.terms

@@ -53,7 +53,7 @@ import math
 
 import torch
 
-from linear_ce.engine.head import HeadFrame, RowStats, Tile
+from linear_ce.engine.head import HeadFrame, NativeGrad, RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["TokenLogprobGradient", "TokenLogprobHead", "TokenOutputs"]
@@ -144,6 +144,8 @@ class TokenLogprobHead:
             self.topk_ids = torch.full(shape, -1, dtype=torch.int64, device=target.device)
         self._is_max: torch.Tensor | None = None
         self._block: torch.Tensor | None = None
+        # The compiled row loops form u_t and Σ eᵘu, not the other statistics.
+        self.native = not (self.top1_on or self.sq_on or self.mean_on or self.topk)
 
     def _block_buffer(self, u: torch.Tensor) -> torch.Tensor:
         rows = u.shape[0]
@@ -216,6 +218,28 @@ class TokenLogprobHead:
             self._row_dot(u, e, out[:, self.slot["dot"]])
         if self.sq_on:
             self._row_dot(e, e, out[:, self.slot["sq"]])
+
+    def native_targets(self, rows: RowChunk, p: int) -> tuple[torch.Tensor, bool]:
+        local_t = self.target[rows, p] - self.start
+        self.owned = (local_t >= 0) & (local_t < self.local)
+        return torch.where(self.owned, local_t, -1), self.entropy_on
+
+    def native_sums(
+        self, target_u: torch.Tensor, dot: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        out[:, self.slot["target"]] = target_u
+        if self.entropy_on:
+            out[:, self.slot["dot"]] = dot
+
+    def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
+        z = stats.sum_exp
+        g, h = self.upstream(rows, p)
+        g = torch.zeros_like(z) if g is None else g.to(z.dtype) * factor
+        if h is None:
+            return NativeGrad(a=-g / z, gamma=g * self.owned)
+        # Σ eᵘu / Z of these rows (rows_done's μ is the last step's, these may be a chunk's).
+        mu = stats.sums[:, self.slot["dot"]] / z
+        return NativeGrad(a=-g / z, gamma=g * self.owned, b=-(h.to(z.dtype) * factor) / z, mu=mu)
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         sums, slot = stats.sums, self.slot

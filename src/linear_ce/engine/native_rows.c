@@ -1,0 +1,157 @@
+/* The row math of a logits tile in one pass per output: linear_ce.engine.native_rows.
+ *
+ * Each row i of a (rows, V) tile x with row stride ld (row-major) is read as
+ *     v_j = (x_j * mul) / div,  m = max_j v_j,  u_j = v_j - m,  e_j = exp(u_j)
+ * in fp32, whatever the tile's dtype (bf16, fp16 or fp32). Two functions per dtype:
+ *
+ *   stats: m, S = sum_j e_j, and where asked D = sum_j e_j u_j and u_t (the target
+ *          column's u; 0 where target[i] < 0). A row is read twice (its max, then
+ *          its sums) while it sits in the core's cache.
+ *   grad:  g_j = e_j (a + b (u_j - mu)) + gamma [j = t], written over the tile in
+ *          its own dtype (one rounding, to nearest even), with m from stats.
+ *
+ * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
+ * u <= 0); u below the smallest normal's log gives 0, a NaN u gives NaN. The sums
+ * use 64 fp32 partial sums per row. Plain C, no threads: the caller splits rows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 64
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    /* Round to nearest even; a NaN keeps a quiet NaN's bits. */
+    uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    return (uint16_t)(f != f ? ((b >> 16) | 0x40u) : rounded);
+}
+
+static inline float from_f16(_Float16 h) { return (float)h; }
+static inline _Float16 to_f16(float f) { return (_Float16)f; }
+static inline float from_f32(float f) { return f; }
+static inline float to_f32(float f) { return f; }
+
+static inline float exp_nonpositive(float u) {
+    float x = u < -87.0f ? -87.0f : u;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606820309417232e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t k = (int32_t)n;
+    uint32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (uint32_t)k << 23;
+    float out;
+    memcpy(&out, &bits, 4);
+    out = u < -87.3365f ? 0.0f : out;
+    return u != u ? u : out;
+}
+
+#define ROW_MATH(NAME, T, LOAD, STORE)                                                    \
+    static inline float value_##NAME(T x, float scale) { return LOAD(x) * scale; }      \
+                                                                                         \
+    void lce_stats_##NAME(const T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, \
+                          float scale, const int64_t* target, float* row_max,   \
+                          float* sum_exp, float* dot, float* target_u) {                 \
+        for (int64_t i = r0; i < r1; ++i) {                                              \
+            const T* row = tile + i * ld;                                                \
+            float m = -INFINITY;                                                         \
+            int nan = 0;                                                                 \
+            _Pragma("omp simd reduction(max : m) reduction(| : nan)")                    \
+            for (int64_t j = 0; j < V; ++j) {                                            \
+                float v = value_##NAME(row[j], scale);                        \
+                m = v > m ? v : m;                                                       \
+                nan |= v != v;                                                           \
+            }                                                                            \
+            /* A NaN logit makes the row's max NaN, as torch.amax does. */               \
+            if (nan) m = NAN;                                                            \
+            float s[LANES] = {0}, d[LANES] = {0};                                        \
+            int64_t whole = V - V % LANES;                                               \
+            if (dot) {                                                                   \
+                for (int64_t j = 0; j < whole; j += LANES) {                             \
+                    _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                \
+                        float u = value_##NAME(row[j + k], scale) - m;        \
+                        float e = exp_nonpositive(u);                                    \
+                        s[k] += e;                                                       \
+                        d[k] += e * (u < -3.0e38f ? 0.0f : u);                                \
+                    }                                                                    \
+                }                                                                        \
+            } else {                                                                     \
+                for (int64_t j = 0; j < whole; j += LANES) {                             \
+                    _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                \
+                        s[k] += exp_nonpositive(value_##NAME(row[j + k], scale) - m); \
+                    }                                                                    \
+                }                                                                        \
+            }                                                                            \
+            for (int64_t j = whole; j < V; ++j) {                                        \
+                float u = value_##NAME(row[j], scale) - m;                    \
+                float e = exp_nonpositive(u);                                            \
+                s[j - whole] += e;                                                       \
+                d[j - whole] += e * (u < -3.0e38f ? 0.0f : u);                                \
+            }                                                                            \
+            for (int width = LANES / 2; width > 0; width /= 2) {                         \
+                for (int k = 0; k < width; ++k) {                                        \
+                    s[k] += s[k + width];                                                \
+                    d[k] += d[k + width];                                                \
+                }                                                                        \
+            }                                                                            \
+            row_max[i] = m;                                                              \
+            sum_exp[i] = s[0];                                                           \
+            if (dot) dot[i] = d[0];                                                      \
+            if (target_u) {                                                              \
+                int64_t t = target[i];                                                   \
+                target_u[i] = t >= 0 ? value_##NAME(row[t], scale) - m : 0.0f; \
+            }                                                                            \
+        }                                                                                \
+    }                                                                                    \
+                                                                                         \
+    void lce_grad_##NAME(T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,         \
+                         float scale, const float* row_max, const float* a,     \
+                         const float* b, const float* mu, const int64_t* target,         \
+                         const float* gamma) {                                           \
+        for (int64_t i = r0; i < r1; ++i) {                                              \
+            T* row = tile + i * ld;                                                      \
+            float m = row_max[i], ai = a[i];                                             \
+            int64_t t = target ? target[i] : -1;                                         \
+            float g_t = 0.0f;                                                            \
+            if (t >= 0) {                                                                \
+                float u = value_##NAME(row[t], scale) - m;                    \
+                float e = exp_nonpositive(u);                                            \
+                g_t = b ? e * (ai + b[i] * (u - mu[i])) : e * ai;                        \
+                g_t += gamma[i];                                                         \
+            }                                                                            \
+            if (b) {                                                                     \
+                float bi = b[i], mi = mu[i];                                             \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
+                    float u = value_##NAME(row[j], scale) - m;                \
+                    float e = exp_nonpositive(u);                                        \
+                    row[j] = STORE(e == 0.0f ? 0.0f : e * (ai + bi * (u - mi)));         \
+                }                                                                        \
+            } else {                                                                     \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
+                    row[j] = STORE(exp_nonpositive(value_##NAME(row[j], scale) - m) * ai); \
+                }                                                                        \
+            }                                                                            \
+            if (t >= 0) row[t] = STORE(g_t);                                             \
+        }                                                                                \
+    }
+
+ROW_MATH(bf16, uint16_t, from_bf16, to_bf16)
+ROW_MATH(f16, _Float16, from_f16, to_f16)
+ROW_MATH(f32, float, from_f32, to_f32)

@@ -1,0 +1,330 @@
+r"""The row math of a half tile in compiled loops: one read of the tile for the row
+statistics, one read and one write for the gradient.
+
+The chunk loop's torch operations on a chunk's logits (:mod:`linear_ce.engine.chunk_loop`)
+each pass over the whole tile: widen a step of rows to fp32, the transform, the row max,
+``u = s − m``, ``eᵘ``, its row sum, the head's row sums, the gradient's products, the
+rounding back. On 2 Sapphire Rapids cores those passes took ~0.9 ns per logit of a bf16
+tile, most of what separates a bf16 step from its three GEMMs. ``native_rows.c`` does the
+same math a row at a time, the row held in the core's cache between its reads:
+
+.. math::
+
+    v_j = x_j\,c, \quad m = \max_j v_j, \quad u_j = v_j - m, \quad
+    Z = \sum_j e^{u_j}, \quad D = \sum_j e^{u_j} u_j, \quad u_t,
+
+    g_j = e^{u_j}\,\bigl(a + b\,(u_j - \mu)\bigr) + \gamma\,[j = t],
+
+with ``a``, ``b``, ``μ``, ``γ`` per row from the head (:meth:`NativeRows.grad_`), ``g``
+written over the tile in its dtype, rounded once. The sums are fp32 in 64 partial sums
+per row, ``eᵘ`` a polynomial within 2 ulp of fp32's: results agree with the torch
+operations to rounding (the tests compare both with float64 at the house bound).
+
+The library is compiled on first use by the C compiler (``$CC``, else ``cc``) for this
+CPU (``-march=native``) and kept in the cache directory of
+:mod:`linear_ce.engine.machine` (``LINEAR_CE_CACHE_DIR``), named by a hash of the source,
+the compiler, its flags and the CPU, so a new CPU or compiler builds its own. Rows are
+split over ``torch.get_num_threads()`` threads (the library releases the GIL).
+
+Environment (read on every call; a bad value is a ``ValueError`` naming it):
+
+- ``LINEAR_CE_NATIVE_ROWS``: ``0`` never (the torch operations); ``1`` always where the
+  chunk loop can (a build that fails is an error with the compiler's message); ``auto``
+  or unset: where the library builds (a failed build is a warning, once, and the torch
+  operations).
+
+Example::
+
+    >>> rows = native_rows(torch.bfloat16)
+    >>> tile = torch.randn(4, 1000).bfloat16()
+    >>> stats = rows.stats(tile, target=torch.tensor([0, 1, 2, -1])) if rows else None
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from linear_ce.engine.capability import cpu_flags
+
+__all__ = ["NATIVE_ROWS_ENV", "NativeRows", "RowSums", "native_mode", "native_rows"]
+
+NATIVE_ROWS_ENV = "LINEAR_CE_NATIVE_ROWS"
+_CACHE_DIR_ENV = "LINEAR_CE_CACHE_DIR"
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+#: Flags of every build; x86 CPUs with AVX-512 run the loops 16 lanes wide.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+_FLAGS += ["-shared", "-fPIC"]
+_X86_FLAGS = ["-mprefer-vector-width=512"]
+
+_c_float_p = ctypes.POINTER(ctypes.c_float)
+_c_long_p = ctypes.POINTER(ctypes.c_int64)
+_STATS_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+_STATS_ARGS += [ctypes.c_float, ctypes.c_void_p]
+_STATS_ARGS += [ctypes.c_void_p] * 4
+_GRAD_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 6
+
+
+def native_mode() -> str:
+    """``LINEAR_CE_NATIVE_ROWS``: ``"0"``, ``"1"`` or ``"auto"``."""
+    value = os.environ.get(NATIVE_ROWS_ENV, "auto").strip() or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(
+            f"{NATIVE_ROWS_ENV} must be 0 (the torch operations), 1 (the compiled row "
+            f"loops, an error if they do not build) or auto; got {value!r}"
+        )
+    return value
+
+
+@dataclasses.dataclass
+class RowSums:
+    """Per row, fp32 ``(B,)``: ``row_max`` m, ``sum_exp`` Z, ``dot`` D (``None`` unless
+    asked) and ``target_u`` :math:`u_t` (0 where the target is ``-1``; ``None`` unless a
+    target was given)."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    dot: torch.Tensor | None
+    target_u: torch.Tensor | None
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeRows:
+    """The compiled row loops for tiles of one dtype (see the module doc)."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = _SUFFIX[dtype]
+        self.dtype = dtype
+        self._stats = getattr(library, f"lce_stats_{suffix}")
+        self._stats.argtypes, self._stats.restype = _STATS_ARGS, None
+        self._grad = getattr(library, f"lce_grad_{suffix}")
+        self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
+
+    def _check(self, tile: torch.Tensor) -> None:
+        if tile.dtype != self.dtype or tile.dim() != 2 or tile.stride(1) != 1:
+            raise ValueError(
+                f"native_rows: expected a row-major (B, V) {self.dtype} tile on the CPU; got "
+                f"{tuple(tile.shape)} {tile.dtype} with strides {tile.stride()}"
+            )
+        if tile.device.type != "cpu":
+            raise ValueError(f"native_rows: the tile must be on the CPU, not {tile.device}")
+
+    def stats(
+        self,
+        tile: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        target: torch.Tensor | None = None,
+        dot: bool = False,
+    ) -> RowSums:
+        """The row statistics of ``tile`` ``(B, V)`` (``v = x·scale``);
+        ``target`` ``(B,)`` int64 local columns, ``-1`` where none."""
+        self._check(tile)
+        rows = tile.shape[0]
+        out = torch.empty((4, rows), dtype=torch.float32)
+        target = _targets(target, rows)
+        sums = RowSums(out[0], out[1], out[2] if dot else None, None if target is None else out[3])
+        args = (sums.row_max, sums.sum_exp, sums.dot, sums.target_u)
+        pointers = [_address(t) for t in args]
+        _split(
+            rows,
+            lambda r0, r1: self._stats(
+                tile.data_ptr(),
+                tile.stride(0),
+                r0,
+                r1,
+                tile.shape[1],
+                scale,
+                _address(target),
+                *pointers,
+            ),
+        )
+        return sums
+
+    def grad_(
+        self,
+        tile: torch.Tensor,
+        row_max: torch.Tensor,
+        a: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        b: torch.Tensor | None = None,
+        mu: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
+        gamma: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write ``g`` (module doc) over ``tile``; ``row_max``, ``a``, ``b``, ``mu``,
+        ``gamma`` fp32 ``(B,)``; ``b`` and ``mu`` together, ``target`` and ``gamma`` together."""
+        self._check(tile)
+        rows = tile.shape[0]
+        if (b is None) != (mu is None) or (target is None) != (gamma is None):
+            raise ValueError("native_rows.grad_: b goes with mu, target with gamma")
+        target = _targets(target, rows)
+        vectors = [_rows_vector(t, rows) for t in (row_max, a, b, mu)]
+        gamma = _rows_vector(gamma, rows)
+        _split(
+            rows,
+            lambda r0, r1: self._grad(
+                tile.data_ptr(),
+                tile.stride(0),
+                r0,
+                r1,
+                tile.shape[1],
+                scale,
+                *[_address(t) for t in vectors],
+                _address(target),
+                _address(gamma),
+            ),
+        )
+        return tile
+
+
+def _rows_vector(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(torch.float32).contiguous().expand(rows).contiguous()
+
+
+def _targets(target: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    if target is None:
+        return None
+    if target.shape != (rows,):
+        raise ValueError(f"native_rows: target must be ({rows},); got {tuple(target.shape)}")
+    return target.to(torch.int64).contiguous()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+_pool_lock = threading.Lock()
+
+
+def _split(rows: int, run) -> None:
+    """``run(r0, r1)`` over ``torch.get_num_threads()`` ranges of rows, in parallel."""
+    global _pool, _pool_threads
+    threads = max(1, min(torch.get_num_threads(), rows))
+    if threads == 1:
+        run(0, rows)
+        return
+    with _pool_lock:
+        if _pool is None or _pool_threads < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="linear_ce-rows")
+            _pool_threads = threads
+        pool = _pool
+    bounds = [rows * k // threads for k in range(threads + 1)]
+    futures = [pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, threads)]
+    run(bounds[0], bounds[1])
+    for future in futures:
+        future.result()
+
+
+class _Library:
+    """The compiled library, built once per process (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.library: ctypes.CDLL | None = None
+        self.failure: str | None = None
+        self.path: Path | None = None
+
+    def get(self, required: bool) -> ctypes.CDLL | None:
+        with self.lock:
+            if self.library is None and self.failure is None:
+                try:
+                    self.path = _build()
+                    self.library = ctypes.CDLL(str(self.path))
+                except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+                    self.failure = str(error)
+                    if not required:
+                        warnings.warn(
+                            f"linear_ce: the compiled row loops did not build, so half tiles "
+                            f"take the torch operations ({NATIVE_ROWS_ENV}=0 silences "
+                            f"this): {self.failure}",
+                            RuntimeWarning,
+                            stacklevel=4,
+                        )
+            if self.library is None and required:
+                raise RuntimeError(
+                    f"linear_ce: {NATIVE_ROWS_ENV}=1 but the compiled row loops did not "
+                    f"build: {self.failure}"
+                )
+            return self.library
+
+
+_library = _Library()
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "").strip() or "cc")
+
+
+def _flags() -> list[str]:
+    return _FLAGS + (_X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+def _build() -> Path:
+    """The library's path, compiled into the cache directory unless already there."""
+    source = resources.files("linear_ce.engine").joinpath("native_rows.c").read_text()
+    compiler = _compiler()
+    try:
+        version = subprocess.run(
+            [*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except FileNotFoundError as error:
+        raise RuntimeError(f"no C compiler {compiler[0]!r} (set CC)") from error
+    key = "\n".join([source, version, *compiler, *_flags(), platform.machine()])
+    key += "\n" + " ".join(sorted(cpu_flags()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = os.environ.get(_CACHE_DIR_ENV, "").strip()
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+        root = os.path.join(xdg or os.path.join(os.path.expanduser("~"), ".cache"), "linear_ce")
+    path = Path(root) / f"native-rows-{digest}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        src = Path(scratch) / "native_rows.c"
+        src.write_text(source)
+        built = Path(scratch) / path.name
+        result = subprocess.run(
+            [*compiler, *_flags(), str(src), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
+        # Atomic: another process building the same library reads a whole file or none.
+        os.replace(built, path)
+    return path
+
+
+def native_rows(dtype: torch.dtype) -> NativeRows | None:
+    """The row loops for ``dtype`` tiles, or ``None`` where ``LINEAR_CE_NATIVE_ROWS=0``, the
+    dtype has none, or (``auto``) the library does not build."""
+    mode = native_mode()
+    if mode == "0" or dtype not in _SUFFIX:
+        return None
+    library = _library.get(required=mode == "1")
+    return None if library is None else NativeRows(library, dtype)
+
+
+def library_path() -> Path | None:
+    """Where this process's library lies (``None`` before it is built, or if it did not)."""
+    return _library.path
