@@ -272,9 +272,10 @@ def run_chunks(
     narrow = rows_once and grad_input and input.dtype != acc
     x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input and not narrow)
     # Two sweeps (see the module doc) keep every step's statistics for the chunk.
-    after_chunk = half and not native and want_grads and getattr(head, "grads_after_chunk", False)
+    after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
     scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
-    two_sweeps = after_chunk and not scaled_rows
+    # The compiled loops visit a chunk's rows once for statistics and once for gradients.
+    two_sweeps = after_chunk and not scaled_rows and not native
     if rows_once and (positions != 1 or grad_scale is not None):
         raise ValueError("run_chunks: rows_once is for one position and no grad_scale")
     if scaled_rows and grad_input and not narrow:
@@ -375,6 +376,8 @@ def run_chunks(
                     native, g, head, chunk_rows, p, transform, stats_buf[:n], want_grads
                 ):
                     continue
+                if scaled_rows:
+                    factors = head.row_factors(chunk_rows, p)
             elif half:
                 if tile is None:
                     tile = buffer(step, local_classes, acc, device)
@@ -581,16 +584,21 @@ def _native_chunk(
     want_grads: bool,
 ) -> bool:
     """A chunk's row math by the compiled loops, on its half ``tile`` of raw logits: the
-    statistics, ``rows_done`` once for the chunk, then (unless ``want_grads`` is off) its
-    gradient written over the tile (``want_grads``). Returns whether it was."""
+    statistics, ``rows_done`` once for the chunk, then its gradient written over the tile
+    (``want_grads``; with the statistics, where the head's gradient coefficients are known
+    before them: ``native_fused``). Returns whether a gradient was written."""
     targets, dot = head.native_targets(rows, p)
-    sums = native.stats(tile, scale=transform.factor, target=targets, dot=dot)
+    fused = head.native_fused(rows, p, transform.factor) if want_grads else None
+    if fused is not None:
+        sums = native.fused_(tile, targets, *fused, scale=transform.factor)
+    else:
+        sums = native.stats(tile, scale=transform.factor, target=targets, dot=dot)
     stats[:, 0] = sums.sum_exp
     head.native_sums(sums.target_u, sums.dot, stats[:, 1:])
     row_stats = _row_stats(sums.row_max, stats)
     head.rows_done(rows, p, row_stats)
-    if not want_grads:
-        return False
+    if fused is not None or not want_grads:
+        return want_grads
     grad = head.native_grad(rows, p, row_stats, transform.factor)
     native.grad_(
         tile,

@@ -159,6 +159,14 @@ class NativeRowsHead(Protocol):
         """The head's row sums (``out``, as ``sums_before_exp`` and ``sums_after_exp`` write
         them) from the loops' ``target_u`` and ``dot``."""
 
+    def native_fused(
+        self, rows: RowChunk, p: int, factor: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(c0, c1, gamma)`` ``(B,)`` where the gradient's coefficients are known before the
+        row statistics, :math:`a = (c_0 + c_1\\,\\mathrm{lse}) / Z`, :math:`b = 0` (the loops
+        then write it in the same visit of each row); ``None`` otherwise. After
+        ``native_targets``."""
+
     def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
         """``factor · ∂L/∂s`` of ``rows`` as a :class:`NativeGrad`, after ``rows_done``."""
 

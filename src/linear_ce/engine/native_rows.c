@@ -9,6 +9,10 @@
  *          its sums) while it sits in the core's cache.
  *   grad:  g_j = e_j (a + b (u_j - mu)) + gamma [j = t], written over the tile in
  *          its own dtype (one rounding, to nearest even), with m from stats.
+ *   fused: stats (m, S, u_t) and then, while the row is in cache, the gradient with
+ *          a = (c0 + c1 lse) / S, lse = m + log S, b = 0: a head whose coefficients
+ *          are known before its row statistics (cross-entropy). e_j is kept in a row
+ *          of fp32 scratch between the two, not formed twice.
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log gives 0, a NaN u gives NaN. The sums
@@ -16,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 64
@@ -152,6 +157,58 @@ static inline float exp_nonpositive(float u) {
         }                                                                                \
     }
 
+
+#define FUSED(NAME, T, STORE)                                                            \
+    int lce_fused_##NAME(T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,         \
+                         float scale, const int64_t* target, const float* c0,           \
+                         const float* c1, const float* gamma, float* row_max,           \
+                         float* sum_exp, float* target_u) {                              \
+        float* e = aligned_alloc(64, (size_t)((V + 15) / 16) * 64);                      \
+        if (!e) return -1;                                                               \
+        for (int64_t i = r0; i < r1; ++i) {                                              \
+            T* row = tile + i * ld;                                                      \
+            float m = -INFINITY;                                                         \
+            int nan = 0;                                                                 \
+            _Pragma("omp simd reduction(max : m) reduction(| : nan)")                    \
+            for (int64_t j = 0; j < V; ++j) {                                            \
+                float v = value_##NAME(row[j], scale);                                   \
+                m = v > m ? v : m;                                                       \
+                nan |= v != v;                                                           \
+            }                                                                            \
+            if (nan) m = NAN;                                                            \
+            float s[LANES] = {0};                                                        \
+            int64_t whole = V - V % LANES;                                               \
+            for (int64_t j = 0; j < whole; j += LANES) {                                 \
+                _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                    \
+                    float x = exp_nonpositive(value_##NAME(row[j + k], scale) - m);      \
+                    e[j + k] = x;                                                        \
+                    s[k] += x;                                                           \
+                }                                                                        \
+            }                                                                            \
+            for (int64_t j = whole; j < V; ++j) {                                        \
+                e[j] = exp_nonpositive(value_##NAME(row[j], scale) - m);                 \
+                s[j - whole] += e[j];                                                    \
+            }                                                                            \
+            for (int width = LANES / 2; width > 0; width /= 2)                           \
+                for (int k = 0; k < width; ++k) s[k] += s[k + width];                    \
+            float z = s[0];                                                              \
+            float a = c0[i];                                                             \
+            if (c1[i] != 0.0f) a += c1[i] * (isinf(m) ? m : m + logf(z));               \
+            a /= z;                                                                      \
+            int64_t t = target[i];                                                       \
+            row_max[i] = m;                                                              \
+            sum_exp[i] = z;                                                              \
+            target_u[i] = t >= 0 ? value_##NAME(row[t], scale) - m : 0.0f;               \
+            _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) row[j] = STORE(e[j] * a); \
+            if (t >= 0) row[t] = STORE(e[t] * a + gamma[i]);                             \
+        }                                                                                \
+        free(e);                                                                         \
+        return 0;                                                                        \
+    }
+
 ROW_MATH(bf16, uint16_t, from_bf16, to_bf16)
 ROW_MATH(f16, _Float16, from_f16, to_f16)
 ROW_MATH(f32, float, from_f32, to_f32)
+FUSED(bf16, uint16_t, to_bf16)
+FUSED(f16, _Float16, to_f16)
+FUSED(f32, float, to_f32)

@@ -69,6 +69,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 _FLAGS += ["-shared", "-fPIC"]
 _X86_FLAGS = ["-mprefer-vector-width=512"]
+_LIBS = ["-lm"]
 
 _c_float_p = ctypes.POINTER(ctypes.c_float)
 _c_long_p = ctypes.POINTER(ctypes.c_int64)
@@ -76,6 +77,7 @@ _STATS_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, 
 _STATS_ARGS += [ctypes.c_float, ctypes.c_void_p]
 _STATS_ARGS += [ctypes.c_void_p] * 4
 _GRAD_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 6
+_FUSED_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 7
 
 
 def native_mode() -> str:
@@ -115,6 +117,8 @@ class NativeRows:
         self._stats.argtypes, self._stats.restype = _STATS_ARGS, None
         self._grad = getattr(library, f"lce_grad_{suffix}")
         self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
+        self._fused = getattr(library, f"lce_fused_{suffix}")
+        self._fused.argtypes, self._fused.restype = _FUSED_ARGS, ctypes.c_int
 
     def _check(self, tile: torch.Tensor) -> None:
         if tile.dtype != self.dtype or tile.dim() != 2 or tile.stride(1) != 1:
@@ -193,6 +197,38 @@ class NativeRows:
             ),
         )
         return tile
+
+    def fused_(
+        self,
+        tile: torch.Tensor,
+        target: torch.Tensor,
+        c0: torch.Tensor,
+        c1: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        scale: float = 1.0,
+    ) -> RowSums:
+        """The row statistics of ``tile`` (as :meth:`stats` with a ``target``, no dot sum),
+        and the gradient with ``a = (c0 + c1·lse) / Z``, ``b = 0`` written over it in the
+        same visit of each row; ``c0``, ``c1``, ``gamma`` fp32 ``(B,)``."""
+        self._check(tile)
+        rows = tile.shape[0]
+        out = torch.empty((3, rows), dtype=torch.float32)
+        target = _targets(target, rows)
+        vectors = [_rows_vector(t, rows) for t in (c0, c1, gamma)]
+        pointers = [_address(t) for t in (target, *vectors, *out)]
+        failed = []
+
+        def run(r0: int, r1: int) -> None:
+            if self._fused(
+                tile.data_ptr(), tile.stride(0), r0, r1, tile.shape[1], scale, *pointers
+            ):
+                failed.append((r0, r1))
+
+        _split(rows, run)
+        if failed:
+            raise MemoryError(f"native_rows: no memory for a row of {tile.shape[1]} fp32 values")
+        return RowSums(out[0], out[1], None, out[2])
 
 
 def _rows_vector(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -287,7 +323,7 @@ def _build() -> Path:
         ).stdout
     except FileNotFoundError as error:
         raise RuntimeError(f"no C compiler {compiler[0]!r} (set CC)") from error
-    key = "\n".join([source, version, *compiler, *_flags(), platform.machine()])
+    key = "\n".join([source, version, *compiler, *_flags(), *_LIBS, platform.machine()])
     key += "\n" + " ".join(sorted(cpu_flags()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = os.environ.get(_CACHE_DIR_ENV, "").strip()
@@ -303,7 +339,7 @@ def _build() -> Path:
         src.write_text(source)
         built = Path(scratch) / path.name
         result = subprocess.run(
-            [*compiler, *_flags(), str(src), "-o", str(built)],
+            [*compiler, *_flags(), str(src), "-o", str(built), *_LIBS],
             capture_output=True,
             text=True,
             timeout=300,

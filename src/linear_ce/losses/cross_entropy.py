@@ -261,6 +261,16 @@ class CrossEntropyHead:
     ) -> None:
         torch.mul(target_u, self.alpha_rows, out=out[:, 0])
 
+    def native_fused(
+        self, rows: RowChunk, p: int, factor: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(c0, c1, gamma)`` of the gradient :math:`a = (c_0 + c_1\\,\\mathrm{lse}) / Z`
+        (:meth:`native_grad`'s, known before the row statistics), after ``native_targets``."""
+        terms = self.terms
+        r = terms.scale[rows, p] * factor
+        c1 = 2.0 * r * terms.zeta[rows, p]
+        return r * terms.A[rows, p], c1, -(r * self.alpha_rows) * self.owned
+
     def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
         terms = self.terms
         r = terms.scale[rows, p] * factor

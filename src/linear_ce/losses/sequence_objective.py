@@ -408,6 +408,15 @@ class SequenceHead(TokenLogprobHead):
             self.row_mean_u = stats.sums[:, self.slot["dot"]] / stats.sum_exp
         return super().grad_tile(u, e, rows, p, stats, factor)
 
+    def native_fused(
+        self, rows: RowChunk, p: int, factor: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self.scaled_rows:
+            return None
+        # factor · (δ_t − p), as grad_tile's: a = −factor / Z, γ = factor.
+        owned = self.owned.to(self.logprob.dtype)
+        return torch.full_like(owned, -factor), torch.zeros_like(owned), factor * owned
+
     def row_factors(self, rows: RowChunk, p: int) -> torch.Tensor:
         r"""Each row's upstream gradient of :math:`\log p_t` (``scaled_rows``; 0 where none
         flows)."""

@@ -231,6 +231,11 @@ class TokenLogprobHead:
         if self.entropy_on:
             out[:, self.slot["dot"]] = dot
 
+    def native_fused(
+        self, rows: RowChunk, p: int, factor: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None
+
     def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
         z = stats.sum_exp
         g, h = self.upstream(rows, p)
