@@ -248,8 +248,8 @@ def run_chunks(
     buffer = gemm.half_tile_buffer if half else gemm.logits_buffer
     half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
     # The compiled row loops (see the module doc) where the head and the call allow them.
-    native = _native_rows(input, head, transform, vocab, bias, companion) if half else None
-    tile = None if native else buffer(step, local_classes, acc, device)
+    native = _native_rows(input, head, transform, vocab, bias, companion, half, want_grads)
+    tile = None if native and half else buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
         if tile is not None
@@ -369,7 +369,7 @@ def run_chunks(
         for chunk_rows in chunks[p]:
             n = chunk_size(chunk_rows)
             x_op = gemm.operand(rows_of(input, chunk_rows, x_rows_buf))
-            if native:
+            if native and half:
                 g = half_tile[:n]
                 gemm.half_logits(g, x_op, w_op)
                 if not _native_chunk(
@@ -418,7 +418,11 @@ def run_chunks(
             else:
                 u = tile[:n]
                 gemm.logits(u, x_op, w_op)
-                g = rows_math(u, chunk_rows, p, b_p)
+                if native:
+                    _native_chunk(native, u, head, chunk_rows, p, transform, stats_buf[:n], True)
+                    g = u
+                else:
+                    g = rows_math(u, chunk_rows, p, b_p)
             if g is None or not (grad_input or grad_weight):
                 continue
             g_op = gemm.operand(g)
@@ -557,9 +561,18 @@ def _native_rows(
     vocab: Vocab,
     bias: torch.Tensor | None,
     companion: Companion | None,
+    half: bool,
+    want_grads: bool,
 ) -> NativeRows | None:
-    """The compiled row loops for this call's half tile, or ``None`` where the head, the
-    transform, a bias, a companion or a sharded vocabulary needs the torch operations."""
+    """The compiled row loops for this call's tile, or ``None`` where the head, the
+    transform, a bias, a companion or a sharded vocabulary needs the torch operations. An
+    fp32 tile (not a half tile) takes them for a training step of a head whose gradient's
+    coefficients are known before its statistics (``native_fused_known``): one visit of
+    each row does both."""
+    if not half and not (
+        want_grads and input.dtype == torch.float32 and getattr(head, "native_fused_known", False)
+    ):
+        return None
     if (
         not getattr(head, "native", False)
         or head.late_sums

@@ -13,6 +13,10 @@
  *          a = (c0 + c1 lse) / S, lse = m + log S, b = 0: a head whose coefficients
  *          are known before its row statistics (cross-entropy). e_j is kept in a row
  *          of fp32 scratch between the two, not formed twice.
+ *   fused_cm: fused for an fp32 class-major tile (a (V, B) array with class stride
+ *          ld, read as its (B, V) transpose), vectorised over rows: two passes over the
+ *          tile from memory (statistics with a running max, gradient) where torch's
+ *          operations take eight.
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log gives 0, a NaN u gives NaN. The sums
@@ -212,3 +216,71 @@ ROW_MATH(f32, float, from_f32, to_f32)
 FUSED(bf16, uint16_t, to_bf16)
 FUSED(f16, _Float16, to_f16)
 FUSED(f32, float, to_f32)
+
+/* The rows [r0, r1) of a class-major tile: every pass walks the classes in order and,
+ * for each, the rows' contiguous run, so the tile streams through the cache (a block of
+ * rows walked class by class would touch a new page per class). */
+int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
+                     const int64_t* target, const float* c0, const float* c1, const float* gamma,
+                     float* row_max, float* sum_exp, float* target_u) {
+    int64_t w = r1 - r0;
+    float* work = aligned_alloc(64, (size_t)((4 * w + 15) / 16) * 64);
+    if (!work) return -1;
+    float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w;
+    for (int64_t k = 0; k < w; ++k) {
+        m[k] = -INFINITY;
+        s[k] = 0.0f;
+        a[k] = 0.0f; /* NaN seen */
+    }
+    /* Per block of 64 classes (in cache between its two reads): its max, the sum so far
+     * rescaled to a larger max, then the block's exponentials added. One read of the tile
+     * from memory for the statistics. */
+    for (int64_t j0 = 0; j0 < V; j0 += 64) {
+        int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
+        for (int64_t k = 0; k < w; ++k) part[k] = -INFINITY;
+        for (int64_t j = j0; j < j1; ++j) {
+            const float* p = tile + j * ld + r0;
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                float v = p[k] * scale;
+                part[k] = v > part[k] ? v : part[k];
+                a[k] = v != v ? 1.0f : a[k];
+            }
+        }
+        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+            int grown = part[k] > m[k];
+            s[k] = grown ? s[k] * exp_nonpositive(m[k] - part[k]) : s[k];
+            m[k] = grown ? part[k] : m[k];
+            part[k] = 0.0f;
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+            const float* p = tile + j * ld + r0;
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - m[k]);
+        }
+        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += part[k];
+    }
+    /* A NaN logit makes the row's max and sum NaN, as torch.amax and the sum of exp do. */
+    for (int64_t k = 0; k < w; ++k)
+        if (a[k] != 0.0f) m[k] = s[k] = NAN;
+    for (int64_t k = 0; k < w; ++k) {
+        int64_t i = r0 + k, t = target[i];
+        float z = s[k];
+        a[k] = c0[i];
+        if (c1[i] != 0.0f) a[k] += c1[i] * (isinf(m[k]) ? m[k] : m[k] + logf(z));
+        a[k] /= z;
+        float u = t >= 0 ? tile[t * ld + i] * scale - m[k] : 0.0f;
+        part[k] = t >= 0 ? exp_nonpositive(u) * a[k] + gamma[i] : 0.0f;
+        row_max[i] = m[k];
+        sum_exp[i] = z;
+        target_u[i] = u;
+    }
+    for (int64_t j = 0; j < V; ++j) {
+        float* p = tile + j * ld + r0;
+        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) p[k] = exp_nonpositive(p[k] * scale - m[k]) * a[k];
+    }
+    for (int64_t k = 0; k < w; ++k) {
+        int64_t t = target[r0 + k];
+        if (t >= 0) tile[t * ld + r0 + k] = part[k];
+    }
+    free(work);
+    return 0;
+}

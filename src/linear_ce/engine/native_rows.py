@@ -119,6 +119,14 @@ class NativeRows:
         self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
         self._fused = getattr(library, f"lce_fused_{suffix}")
         self._fused.argtypes, self._fused.restype = _FUSED_ARGS, ctypes.c_int
+        self._fused_cm = None
+        if dtype == torch.float32:
+            self._fused_cm = library.lce_fused_cm_f32
+            self._fused_cm.argtypes, self._fused_cm.restype = _FUSED_ARGS, ctypes.c_int
+
+    def class_major(self, tile: torch.Tensor) -> bool:
+        """Whether ``tile`` is a class-major tile these loops take (fp32, :meth:`fused_` only)."""
+        return self._fused_cm is not None and tile.dim() == 2 and tile.stride(0) == 1
 
     def _check(self, tile: torch.Tensor) -> None:
         if tile.dtype != self.dtype or tile.dim() != 2 or tile.stride(1) != 1:
@@ -210,8 +218,11 @@ class NativeRows:
     ) -> RowSums:
         """The row statistics of ``tile`` (as :meth:`stats` with a ``target``, no dot sum),
         and the gradient with ``a = (c0 + c1·lse) / Z``, ``b = 0`` written over it in the
-        same visit of each row; ``c0``, ``c1``, ``gamma`` fp32 ``(B,)``."""
-        self._check(tile)
+        same visit of each row; ``c0``, ``c1``, ``gamma`` fp32 ``(B,)``. An fp32 tile may be
+        class-major (:meth:`class_major`)."""
+        class_major = self.class_major(tile)
+        if not class_major:
+            self._check(tile)
         rows = tile.shape[0]
         out = torch.empty((3, rows), dtype=torch.float32)
         target = _targets(target, rows)
@@ -219,13 +230,16 @@ class NativeRows:
         pointers = [_address(t) for t in (target, *vectors, *out)]
         failed = []
 
+        kernel, stride = (
+            (self._fused_cm, tile.stride(1)) if class_major else (self._fused, tile.stride(0))
+        )
+
         def run(r0: int, r1: int) -> None:
-            if self._fused(
-                tile.data_ptr(), tile.stride(0), r0, r1, tile.shape[1], scale, *pointers
-            ):
+            if kernel(tile.data_ptr(), stride, r0, r1, tile.shape[1], scale, *pointers):
                 failed.append((r0, r1))
 
-        _split(rows, run)
+        # Class-major: each thread's rows a multiple of 16 (a vector of rows, a cache line).
+        _split(rows, run, align=16 if class_major else 1)
         if failed:
             raise MemoryError(f"native_rows: no memory for a row of {tile.shape[1]} fp32 values")
         return RowSums(out[0], out[1], None, out[2])
@@ -250,10 +264,11 @@ _pool_threads = 0
 _pool_lock = threading.Lock()
 
 
-def _split(rows: int, run) -> None:
-    """``run(r0, r1)`` over ``torch.get_num_threads()`` ranges of rows, in parallel."""
+def _split(rows: int, run, align: int = 1) -> None:
+    """``run(r0, r1)`` over ``torch.get_num_threads()`` ranges of rows, in parallel, each
+    range's start a multiple of ``align``."""
     global _pool, _pool_threads
-    threads = max(1, min(torch.get_num_threads(), rows))
+    threads = max(1, min(torch.get_num_threads(), -(-rows // align)))
     if threads == 1:
         run(0, rows)
         return
@@ -262,7 +277,7 @@ def _split(rows: int, run) -> None:
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="linear_ce-rows")
             _pool_threads = threads
         pool = _pool
-    bounds = [rows * k // threads for k in range(threads + 1)]
+    bounds = [min(rows, rows * k // threads // align * align) for k in range(threads)] + [rows]
     futures = [pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, threads)]
     run(bounds[0], bounds[1])
     for future in futures:
