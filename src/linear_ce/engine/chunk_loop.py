@@ -419,8 +419,10 @@ def run_chunks(
                 u = tile[:n]
                 gemm.logits(u, x_op, w_op)
                 if native:
-                    _native_chunk(native, u, head, chunk_rows, p, transform, stats_buf[:n], True)
-                    g = u
+                    written = _native_chunk(
+                        native, u, head, chunk_rows, p, transform, stats_buf[:n], want_grads
+                    )
+                    g = u if written else None
                 else:
                     g = rows_math(u, chunk_rows, p, b_p)
             if g is None or not (grad_input or grad_weight):
@@ -566,11 +568,10 @@ def _native_rows(
 ) -> NativeRows | None:
     """The compiled row loops for this call's tile, or ``None`` where the head, the
     transform, a bias, a companion or a sharded vocabulary needs the torch operations. An
-    fp32 tile (not a half tile) takes them for a training step of a head whose gradient's
-    coefficients are known before its statistics (``native_fused_known``): one visit of
-    each row does both."""
+    fp32 tile (not a half tile) takes them for a head whose gradient's coefficients are
+    known before its statistics (``native_fused_known``): one visit of each row does both."""
     if not half and not (
-        want_grads and input.dtype == torch.float32 and getattr(head, "native_fused_known", False)
+        input.dtype == torch.float32 and getattr(head, "native_fused_known", False)
     ):
         return None
     if (

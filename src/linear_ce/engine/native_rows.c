@@ -16,7 +16,7 @@
  *   fused_cm: fused for an fp32 class-major tile (a (V, B) array with class stride
  *          ld, read as its (B, V) transpose), vectorised over rows: two passes over the
  *          tile from memory (statistics with a running max, gradient) where torch's
- *          operations take eight.
+ *          operations take eight; with c0 NULL the statistics alone (a forward).
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log gives 0, a NaN u gives NaN. The sums
@@ -264,20 +264,21 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k, t = target[i];
         float z = s[k];
-        a[k] = c0[i];
-        if (c1[i] != 0.0f) a[k] += c1[i] * (isinf(m[k]) ? m[k] : m[k] + logf(z));
-        a[k] /= z;
         float u = t >= 0 ? tile[t * ld + i] * scale - m[k] : 0.0f;
-        part[k] = t >= 0 ? exp_nonpositive(u) * a[k] + gamma[i] : 0.0f;
         row_max[i] = m[k];
         sum_exp[i] = z;
         target_u[i] = u;
+        if (!c0) continue;
+        a[k] = c0[i];
+        if (c1[i] != 0.0f) a[k] += c1[i] * (isinf(m[k]) ? m[k] : m[k] + logf(z));
+        a[k] /= z;
+        part[k] = t >= 0 ? exp_nonpositive(u) * a[k] + gamma[i] : 0.0f;
     }
-    for (int64_t j = 0; j < V; ++j) {
+    for (int64_t j = 0; c0 && j < V; ++j) {
         float* p = tile + j * ld + r0;
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) p[k] = exp_nonpositive(p[k] * scale - m[k]) * a[k];
     }
-    for (int64_t k = 0; k < w; ++k) {
+    for (int64_t k = 0; c0 && k < w; ++k) {
         int64_t t = target[r0 + k];
         if (t >= 0) tile[t * ld + r0 + k] = part[k];
     }

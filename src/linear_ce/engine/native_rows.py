@@ -146,9 +146,15 @@ class NativeRows:
         dot: bool = False,
     ) -> RowSums:
         """The row statistics of ``tile`` ``(B, V)`` (``v = x·scale``);
-        ``target`` ``(B,)`` int64 local columns, ``-1`` where none."""
-        self._check(tile)
+        ``target`` ``(B,)`` int64 local columns, ``-1`` where none. An fp32 tile may be
+        class-major (:meth:`class_major`) where no ``dot`` is asked."""
         rows = tile.shape[0]
+        if self.class_major(tile) and not dot:
+            if target is not None:
+                return self._class_major(tile, target, None, scale)
+            sums = self._class_major(tile, torch.full((rows,), -1), None, scale)
+            return dataclasses.replace(sums, target_u=None)
+        self._check(tile)
         out = torch.empty((4, rows), dtype=torch.float32)
         target = _targets(target, rows)
         sums = RowSums(out[0], out[1], out[2] if dot else None, None if target is None else out[3])
@@ -220,28 +226,34 @@ class NativeRows:
         and the gradient with ``a = (c0 + c1·lse) / Z``, ``b = 0`` written over it in the
         same visit of each row; ``c0``, ``c1``, ``gamma`` fp32 ``(B,)``. An fp32 tile may be
         class-major (:meth:`class_major`)."""
-        class_major = self.class_major(tile)
-        if not class_major:
-            self._check(tile)
+        if self.class_major(tile):
+            return self._class_major(tile, target, (c0, c1, gamma), scale)
+        self._check(tile)
+        return self._run_fused(self._fused, tile, tile.stride(0), target, (c0, c1, gamma), scale, 1)
+
+    def _class_major(self, tile, target, coefficients, scale) -> RowSums:
+        # Each thread's rows a multiple of 16 (a vector of rows, a cache line).
+        return self._run_fused(
+            self._fused_cm, tile, tile.stride(1), target, coefficients, scale, 16
+        )
+
+    def _run_fused(self, kernel, tile, stride, target, coefficients, scale, align) -> RowSums:
         rows = tile.shape[0]
         out = torch.empty((3, rows), dtype=torch.float32)
         target = _targets(target, rows)
-        vectors = [_rows_vector(t, rows) for t in (c0, c1, gamma)]
+        vectors = (
+            [None] * 3 if coefficients is None else [_rows_vector(t, rows) for t in coefficients]
+        )
         pointers = [_address(t) for t in (target, *vectors, *out)]
         failed = []
-
-        kernel, stride = (
-            (self._fused_cm, tile.stride(1)) if class_major else (self._fused, tile.stride(0))
-        )
 
         def run(r0: int, r1: int) -> None:
             if kernel(tile.data_ptr(), stride, r0, r1, tile.shape[1], scale, *pointers):
                 failed.append((r0, r1))
 
-        # Class-major: each thread's rows a multiple of 16 (a vector of rows, a cache line).
-        _split(rows, run, align=16 if class_major else 1)
+        _split(rows, run, align=align)
         if failed:
-            raise MemoryError(f"native_rows: no memory for a row of {tile.shape[1]} fp32 values")
+            raise MemoryError(f"native_rows: no memory for the scratch of {rows} rows")
         return RowSums(out[0], out[1], None, out[2])
 
 
