@@ -19,7 +19,7 @@
  *          operations take eight; with c0 NULL the statistics alone (a forward).
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
- * u <= 0); u below the smallest normal's log gives 0, a NaN u gives NaN. The sums
+ * u <= 0); u below the smallest normal's log (-126 ln 2) gives 0, a NaN u gives NaN. The sums
  * use 64 fp32 partial sums per row. Plain C, no threads: the caller splits rows.
  */
 #include <math.h>
@@ -50,7 +50,8 @@ static inline float from_f32(float f) { return f; }
 static inline float to_f32(float f) { return f; }
 
 static inline float exp_nonpositive(float u) {
-    float x = u < -87.0f ? -87.0f : u;
+    /* -126 ln 2 (rounded up): above it 2^n times p stays a normal number. */
+    float x = u < -87.336544f ? -87.336544f : u;
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606820309417232e-6f;
@@ -68,7 +69,7 @@ static inline float exp_nonpositive(float u) {
     bits += (uint32_t)k << 23;
     float out;
     memcpy(&out, &bits, 4);
-    out = u < -87.3365f ? 0.0f : out;
+    out = u < -87.336544f ? 0.0f : out;
     return u != u ? u : out;
 }
 
@@ -142,7 +143,7 @@ static inline float exp_nonpositive(float u) {
             if (t >= 0) {                                                                \
                 float u = value_##NAME(row[t], scale) - m;                    \
                 float e = exp_nonpositive(u);                                            \
-                g_t = b ? e * (ai + b[i] * (u - mu[i])) : e * ai;                        \
+                g_t = e == 0.0f ? 0.0f : b ? e * (ai + b[i] * (u - mu[i])) : e * ai;     \
                 g_t += gamma[i];                                                         \
             }                                                                            \
             if (b) {                                                                     \

@@ -273,21 +273,24 @@ def _targets(target: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
+#: The process that made the pool: a forked child (a DataLoader worker) has none of its
+#: threads, so it makes its own.
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
 def _split(rows: int, run, align: int = 1) -> None:
     """``run(r0, r1)`` over ``torch.get_num_threads()`` ranges of rows, in parallel, each
     range's start a multiple of ``align``."""
-    global _pool, _pool_threads
+    global _pool, _pool_threads, _pool_pid
     threads = max(1, min(torch.get_num_threads(), -(-rows // align)))
     if threads == 1:
         run(0, rows)
         return
     with _pool_lock:
-        if _pool is None or _pool_threads < threads:
+        if _pool is None or _pool_threads < threads or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="linear_ce-rows")
-            _pool_threads = threads
+            _pool_threads, _pool_pid = threads, os.getpid()
         pool = _pool
     bounds = [min(rows, rows * k // threads // align * align) for k in range(threads)] + [rows]
     futures = [pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, threads)]
