@@ -1386,6 +1386,13 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
+        "rows split over threads: the calling thread's range never run",
+        "src/linear_ce/engine/native_rows.py",
+        (("    run(bounds[0], bounds[1])\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
         "a failed build under auto gives no warning",
         "src/linear_ce/engine/native_rows.py",
         (("                    if not required:\n", "                    if False:\n"),),
@@ -1419,6 +1426,13 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
                 "a = r * self.A / stats.sum_exp",
             ),
         ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "token log-prob native sums: the entropy's dot sum left out",
+        "src/linear_ce/losses/token_logprob.py",
+        (('out[:, self.slot["dot"]] = dot', 'out[:, self.slot["dot"]] = 0.0'),),
         _NATIVE_TESTS,
     ),
     Mutation(
