@@ -1437,6 +1437,37 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
+        "token log-prob head claims the loops with top-1 or other statistics asked",
+        "src/linear_ce/losses/token_logprob.py",
+        (
+            (
+                "self.native = not (self.top1_on or self.sq_on or self.mean_on or self.topk)",
+                "self.native = True",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "cross-entropy head claims the loops with label smoothing",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "self.native = terms.target is not None and not self.smoothing",
+                "self.native = terms.target is not None",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "chunk loop takes the loops under a softcap",
+        "src/linear_ce/engine/chunk_loop.py",
+        (("        or transform.softcap is not None\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
         "token log-prob native gradient: the entropy's b with the wrong sign",
         "src/linear_ce/losses/token_logprob.py",
         (("b=-(h.to(z.dtype) * factor) / z", "b=(h.to(z.dtype) * factor) / z"),),

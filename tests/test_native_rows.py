@@ -372,7 +372,7 @@ def test_target_in_a_masked_class_with_b():
     """A target whose class is masked (-inf): its u is -inf and eᵘ = 0, so its gradient is
     γ alone, as every other masked class's gradient is 0 (the limit, not 0·(-inf))."""
     loops = _loops(torch.float32)
-    tile = torch.randn(2, 70)
+    tile = torch.randn(2, 70, generator=torch.Generator().manual_seed(23))
     tile[:, 7] = -math.inf
     target = torch.tensor([7, 7])
     m = loops.stats(tile).row_max
@@ -730,3 +730,51 @@ def test_sequence_objective_dpo_both_paths(dtype, entropy, monkeypatch):
     exact, same = plain(torch.float64), plain(dtype)
     for mode, got in results.items():
         _check(got, exact, same, dtype, f"sequence_objective {mode}", floor=4)
+
+
+_TORCH_ONLY = {
+    "cross_entropy smoothing": ("ce", dict(label_smoothing=0.1)),
+    "cross_entropy bias": ("ce", dict(bias=True)),
+    "cross_entropy softcap": ("ce", dict(softcap=5.0)),
+    "token_logprobs top1": ("lp", dict(top1=True)),
+    "token_logprobs log_sum_sq_prob": ("lp", dict(log_sum_sq_prob=True)),
+    "token_logprobs mean_logit": ("lp", dict(mean_logit=True)),
+    "token_logprobs topk": ("lp", dict(topk=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(_TORCH_ONLY))
+def test_calls_the_loops_cannot_do_take_the_torch_operations(case, monkeypatch):
+    """A head statistic, a bias or a softcap the loops do not form: with
+    ``LINEAR_CE_NATIVE_ROWS=1`` too the torch operations, the same bits as with ``=0``."""
+    if not native_half_gemm(torch.bfloat16, CPU):
+        pytest.skip("this CPU has no native bf16 GEMMs (no half tile)")
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv(STEP_ROWS_ENV, "8")
+    kind, kwargs = _TORCH_ONLY[case]
+    x, W, t = _data(2, 60, 8, 90)
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(90, generator=gen).bfloat16() if kwargs.pop("bias", False) else None
+    options = LinearCrossEntropyOptions(batch_chunk_size=24)
+
+    def run(bias, **kwargs):
+        xs, Ws = _leaves((x, W), torch.bfloat16)
+        if kind == "ce":
+            loss = linear_ce.linear_cross_entropy(
+                xs, Ws, t, linear_bias=bias, options=options, **kwargs
+            )
+            return [loss, *torch.autograd.grad(loss, [xs, Ws])]
+        out = linear_ce.token_logprobs(xs, Ws, t, entropy=True, options=options, **kwargs)
+        return [v for v in out if isinstance(v, torch.Tensor)]
+
+    calls = _counting(monkeypatch)
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV, mode)
+        results.append(run(bias, **kwargs))
+    assert calls == {"stats": 0, "grad": 0}
+    for off, on in zip(*results, strict=True):
+        assert torch.equal(off, on)
+    # The same call without what the loops cannot do takes them (a half tile is there).
+    run(None)
+    assert calls["stats"] > 0
