@@ -459,8 +459,9 @@ def test_library_is_cached(monkeypatch, fresh_build):
     """The first build compiles into the cache directory; a new process state (a fresh
     _Library) on the same directory loads that file without compiling again."""
     _need_compiler()
+    real = shutil.which(nr._compiler()[0])
     log = fresh_build / "calls"
-    cc = _compiler_script(fresh_build, "logcc", f'echo "$@" >> {log}\nexec cc "$@"\n')
+    cc = _compiler_script(fresh_build, "logcc", f'echo "$@" >> {log}\nexec {real} "$@"\n')
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv(ENV, "1")
     first = nr.native_rows(torch.bfloat16)
