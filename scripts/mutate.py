@@ -1315,6 +1315,166 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
     ),
 )
 
+_NATIVE_C = "src/linear_ce/engine/native_rows.c"
+_NATIVE_TESTS = ("tests/test_native_rows.py",)
+
+_NATIVE_ROWS: tuple[Mutation, ...] = (
+    Mutation(
+        "native_rows",
+        "compiled gradient: the target column's gamma dropped",
+        _NATIVE_C,
+        (("g_t += gamma[i];", ""),),
+        _NATIVE_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled gradient: the b (u - mu) term dropped",
+        _NATIVE_C,
+        (
+            (
+                "row[j] = STORE(e == 0.0f ? 0.0f : e * (ai + bi * (u - mi)));",
+                "row[j] = STORE(e == 0.0f ? 0.0f : e * ai);",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled exp: a wrong Taylor coefficient (1/25 for 1/24)",
+        _NATIVE_C,
+        (("p = p * r + 1.0f / 24.0f;", "p = p * r + 1.0f / 25.0f;"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled bf16 rounding truncates instead of rounding to nearest even",
+        _NATIVE_C,
+        (
+            (
+                "uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;",
+                "uint32_t rounded = b >> 16;",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled stats: a NaN logit no longer makes the row max NaN",
+        _NATIVE_C,
+        (("if (nan) m = NAN;", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled dot sum: a masked class's 0 * (-inf) not guarded",
+        _NATIVE_C,
+        (("d[k] += e * (u < -3.0e38f ? 0.0f : u);", "d[k] += e * u;"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "stats read rows at the tile's width, not its row stride",
+        "src/linear_ce/engine/native_rows.py",
+        (
+            (
+                "self._stats(\n                tile.data_ptr(),\n                tile.stride(0),",
+                "self._stats(\n                tile.data_ptr(),\n                tile.shape[1],",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "rows split over threads: the calling thread's range never run",
+        "src/linear_ce/engine/native_rows.py",
+        (("    run(bounds[0], bounds[1])\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "a failed build under auto gives no warning",
+        "src/linear_ce/engine/native_rows.py",
+        (("                    if not required:\n", "                    if False:\n"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "chunk loop: rows_done before the chunk's statistics are filled",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "    stats[:, 0] = sums.sum_exp\n"
+                "    head.native_sums(sums.target_u, sums.dot, stats[:, 1:])\n"
+                "    row_stats = _row_stats(sums.row_max, stats)\n"
+                "    head.rows_done(rows, p, row_stats)\n",
+                "    row_stats = _row_stats(sums.row_max, stats)\n"
+                "    head.rows_done(rows, p, row_stats)\n"
+                "    stats[:, 0] = sums.sum_exp\n"
+                "    head.native_sums(sums.target_u, sums.dot, stats[:, 1:])\n",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "cross-entropy native gradient without the z-loss term",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "a = r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp",
+                "a = r * self.A / stats.sum_exp",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "token log-prob native sums: the entropy's dot sum left out",
+        "src/linear_ce/losses/token_logprob.py",
+        (('out[:, self.slot["dot"]] = dot', 'out[:, self.slot["dot"]] = 0.0'),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "token log-prob head claims the loops with top-1 or other statistics asked",
+        "src/linear_ce/losses/token_logprob.py",
+        (
+            (
+                "self.native = not (self.top1_on or self.sq_on or self.mean_on or self.topk)",
+                "self.native = True",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "cross-entropy head claims the loops with label smoothing",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "self.native = terms.target is not None and not self.smoothing",
+                "self.native = terms.target is not None",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "chunk loop takes the loops under a softcap",
+        "src/linear_ce/engine/chunk_loop.py",
+        (("        or transform.softcap is not None\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "token log-prob native gradient: the entropy's b with the wrong sign",
+        "src/linear_ce/losses/token_logprob.py",
+        (("b=-(h.to(z.dtype) * factor) / z", "b=(h.to(z.dtype) * factor) / z"),),
+        _NATIVE_TESTS,
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -1328,6 +1488,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_TRL_MUTATIONS,
     *_TRL_SEQUENCE,
     *_MACHINE_PLAN,
+    *_NATIVE_ROWS,
 )
 
 
