@@ -252,20 +252,19 @@ def run_chunks(
     tile = None if native and half else buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
-        if tile is not None
-        and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
+        if not native and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
         else None
     )
     exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
     exp_block = (
         buffer(step, exp_step, acc, device)
-        if tile is not None and head.keeps_logits and exp_tile is None
+        if not native and head.keeps_logits and exp_tile is None
         else None
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = (
         torch.empty_like(tile)
-        if tile is not None and want_grads and transform.softcap is not None
+        if not native and want_grads and transform.softcap is not None
         else None
     )
     # The input gradient in its own dtype, written once per row (see the module doc).
@@ -568,11 +567,8 @@ def _native_rows(
 ) -> NativeRows | None:
     """The compiled row loops for this call's tile, or ``None`` where the head, the
     transform, a bias, a companion or a sharded vocabulary needs the torch operations. An
-    fp32 tile (not a half tile) takes them for a head whose gradient's coefficients are
-    known before its statistics (``native_fused_known``): one visit of each row does both."""
-    if not half and not (
-        input.dtype == torch.float32 and getattr(head, "native_fused_known", False)
-    ):
+    fp32 tile (not a half tile, in either layout) takes them too."""
+    if not half and input.dtype != torch.float32:
         return None
     if (
         not getattr(head, "native", False)

@@ -119,13 +119,17 @@ class NativeRows:
         self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
         self._fused = getattr(library, f"lce_fused_{suffix}")
         self._fused.argtypes, self._fused.restype = _FUSED_ARGS, ctypes.c_int
-        self._fused_cm = None
+        self._fused_cm = self._stats_cm = self._grad_cm = None
         if dtype == torch.float32:
             self._fused_cm = library.lce_fused_cm_f32
             self._fused_cm.argtypes, self._fused_cm.restype = _FUSED_ARGS, ctypes.c_int
+            self._stats_cm = library.lce_stats_cm_f32
+            self._stats_cm.argtypes, self._stats_cm.restype = _STATS_ARGS, ctypes.c_int
+            self._grad_cm = library.lce_grad_cm_f32
+            self._grad_cm.argtypes, self._grad_cm.restype = _GRAD_ARGS, ctypes.c_int
 
     def class_major(self, tile: torch.Tensor) -> bool:
-        """Whether ``tile`` is a class-major tile these loops take (fp32, :meth:`fused_` only)."""
+        """Whether ``tile`` is a class-major fp32 tile (a ``(V, B)`` array's transpose)."""
         return self._fused_cm is not None and tile.dim() == 2 and tile.stride(0) == 1
 
     def _check(self, tile: torch.Tensor) -> None:
@@ -147,32 +151,20 @@ class NativeRows:
     ) -> RowSums:
         """The row statistics of ``tile`` ``(B, V)`` (``v = x·scale``);
         ``target`` ``(B,)`` int64 local columns, ``-1`` where none. An fp32 tile may be
-        class-major (:meth:`class_major`) where no ``dot`` is asked."""
+        class-major (:meth:`class_major`)."""
         rows = tile.shape[0]
-        if self.class_major(tile) and not dot:
-            if target is not None:
-                return self._class_major(tile, target, None, scale)
-            sums = self._class_major(tile, torch.full((rows,), -1), None, scale)
-            return dataclasses.replace(sums, target_u=None)
-        self._check(tile)
+        class_major = self.class_major(tile)
+        if not class_major:
+            self._check(tile)
         out = torch.empty((4, rows), dtype=torch.float32)
         target = _targets(target, rows)
         sums = RowSums(out[0], out[1], out[2] if dot else None, None if target is None else out[3])
         args = (sums.row_max, sums.sum_exp, sums.dot, sums.target_u)
-        pointers = [_address(t) for t in args]
-        _split(
-            rows,
-            lambda r0, r1: self._stats(
-                tile.data_ptr(),
-                tile.stride(0),
-                r0,
-                r1,
-                tile.shape[1],
-                scale,
-                _address(target),
-                *pointers,
-            ),
+        kernel, stride = (
+            (self._stats_cm, tile.stride(1)) if class_major else (self._stats, tile.stride(0))
         )
+        pointers = [_address(target), *[_address(t) for t in args]]
+        _run(kernel, tile, stride, scale, pointers, 16 if class_major else 1)
         return sums
 
     def grad_(
@@ -188,28 +180,22 @@ class NativeRows:
         gamma: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``g`` (module doc) over ``tile``; ``row_max``, ``a``, ``b``, ``mu``,
-        ``gamma`` fp32 ``(B,)``; ``b`` and ``mu`` together, ``target`` and ``gamma`` together."""
-        self._check(tile)
+        ``gamma`` fp32 ``(B,)``; ``b`` and ``mu`` together, ``target`` and ``gamma`` together.
+        An fp32 tile may be class-major (:meth:`class_major`)."""
+        class_major = self.class_major(tile)
+        if not class_major:
+            self._check(tile)
         rows = tile.shape[0]
         if (b is None) != (mu is None) or (target is None) != (gamma is None):
             raise ValueError("native_rows.grad_: b goes with mu, target with gamma")
         target = _targets(target, rows)
         vectors = [_rows_vector(t, rows) for t in (row_max, a, b, mu)]
         gamma = _rows_vector(gamma, rows)
-        _split(
-            rows,
-            lambda r0, r1: self._grad(
-                tile.data_ptr(),
-                tile.stride(0),
-                r0,
-                r1,
-                tile.shape[1],
-                scale,
-                *[_address(t) for t in vectors],
-                _address(target),
-                _address(gamma),
-            ),
+        kernel, stride = (
+            (self._grad_cm, tile.stride(1)) if class_major else (self._grad, tile.stride(0))
         )
+        pointers = [*[_address(t) for t in vectors], _address(target), _address(gamma)]
+        _run(kernel, tile, stride, scale, pointers, 16 if class_major else 1)
         return tile
 
     def fused_(
@@ -241,20 +227,24 @@ class NativeRows:
         rows = tile.shape[0]
         out = torch.empty((3, rows), dtype=torch.float32)
         target = _targets(target, rows)
-        vectors = (
-            [None] * 3 if coefficients is None else [_rows_vector(t, rows) for t in coefficients]
-        )
+        vectors = [_rows_vector(t, rows) for t in coefficients]
         pointers = [_address(t) for t in (target, *vectors, *out)]
-        failed = []
-
-        def run(r0: int, r1: int) -> None:
-            if kernel(tile.data_ptr(), stride, r0, r1, tile.shape[1], scale, *pointers):
-                failed.append((r0, r1))
-
-        _split(rows, run, align=align)
-        if failed:
-            raise MemoryError(f"native_rows: no memory for the scratch of {rows} rows")
+        _run(kernel, tile, stride, scale, pointers, align)
         return RowSums(out[0], out[1], None, out[2])
+
+
+def _run(kernel, tile: torch.Tensor, stride: int, scale: float, pointers: list, align: int) -> None:
+    """``kernel`` over ``tile``'s rows, split over threads (a non-zero return: no memory for
+    its scratch)."""
+    failed = []
+
+    def run(r0: int, r1: int) -> None:
+        if kernel(tile.data_ptr(), stride, r0, r1, tile.shape[1], scale, *pointers):
+            failed.append((r0, r1))
+
+    _split(tile.shape[0], run, align=align)
+    if failed:
+        raise MemoryError(f"native_rows: no memory for the scratch of {tile.shape[0]} rows")
 
 
 def _rows_vector(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
