@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -248,5 +249,24 @@ def test_plan_note_says_how_half_math_forms_the_exponential(monkeypatch, form):
         extra = {"fixed_rule": fields, "chunk_rates": {}, "half_speedup": None, "step_rates": {}}
         return plan_note({**fields, **extra})
 
-    assert note(torch.bfloat16).endswith(f", {form}")
-    assert not note(torch.float32).endswith(("exp", "exp2"))
+    assert f", {form}," in note(torch.bfloat16)
+    assert ", exp" not in note(torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_plan_note_says_which_row_loops_run(monkeypatch, mode):
+    """The note names the row math an fp32 plan's heads take: the compiled loops
+    (``LINEAR_CE_NATIVE_ROWS=1``) or torch's operations (``0``)."""
+    from linear_ce import LinearCrossEntropyOptions
+    from linear_ce.bench.variants import _plan_fields, plan_note
+    from linear_ce.engine.native_rows import NATIVE_ROWS_ENV
+    from linear_ce.engine.plan import make_plan
+
+    if mode == "1" and shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: the compiled row loops cannot build")
+    monkeypatch.setenv(NATIVE_ROWS_ENV, mode)
+    plan = make_plan(256, 32, 512, torch.float32, torch.device("cpu"), LinearCrossEntropyOptions())
+    fields = _plan_fields(plan, 256)
+    extra = {"fixed_rule": fields, "chunk_rates": {}, "half_speedup": None, "step_rates": {}}
+    loops = "compiled" if mode == "1" else "torch"
+    assert plan_note({**fields, **extra}).endswith(f", {loops} row loops")

@@ -493,7 +493,21 @@ def _plan_fields(plan, rows: int) -> dict:
         "exp": ("exp2" if plan.exp2 else "exp")
         if plan.input_dtype in HALF_DTYPES and type(plan.gemm).__name__ != "CudaOutDtype"
         else None,
+        # The row math of the heads that take them (engine/native_rows.py): compiled loops
+        # where they build, for half tiles and fp32 tiles on a CPU.
+        "row_loops": _row_loops(plan),
     }
+
+
+def _row_loops(plan) -> str | None:
+    from linear_ce.engine.native_rows import native_rows
+
+    if type(plan.gemm).__name__ == "CudaOutDtype" or plan.input_dtype == torch.float64:
+        return None
+    half_tile = plan.rows_per_step < plan.rows_per_chunk
+    if plan.input_dtype in HALF_DTYPES and not half_tile:
+        return "torch"
+    return "compiled" if native_rows(plan.input_dtype) is not None else "torch"
 
 
 def plan_note(plan: dict | None) -> str:
@@ -505,7 +519,8 @@ def plan_note(plan: dict | None) -> str:
 
     def short(p: dict) -> str:
         exp = f", {p['exp']}" if p.get("exp") else ""
-        return f"{p['chunks']}×{p['rows_per_chunk']} rows, {p['layout']}, {p['gemm']}{exp}"
+        loops = f", {p['row_loops']} row loops" if p.get("row_loops") else ""
+        return f"{p['chunks']}×{p['rows_per_chunk']} rows, {p['layout']}, {p['gemm']}{exp}{loops}"
 
     text = short(plan)
     if short(plan["fixed_rule"]) != text:
