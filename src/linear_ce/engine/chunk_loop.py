@@ -248,7 +248,7 @@ def run_chunks(
     buffer = gemm.half_tile_buffer if half else gemm.logits_buffer
     half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
     # The compiled row loops (see the module doc) where the head and the call allow them.
-    native = _native_rows(input, head, transform, vocab, bias, companion, half, want_grads)
+    native = _native_rows(input, acc, head, transform, vocab, bias, companion, half)
     tile = None if native and half else buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
@@ -557,18 +557,19 @@ def _scale_rows(t: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> to
 
 def _native_rows(
     input: torch.Tensor,
+    acc: torch.dtype,
     head: Head,
     transform: LogitTransform,
     vocab: Vocab,
     bias: torch.Tensor | None,
     companion: Companion | None,
     half: bool,
-    want_grads: bool,
 ) -> NativeRows | None:
     """The compiled row loops for this call's tile, or ``None`` where the head, the
-    transform, a bias, a companion or a sharded vocabulary needs the torch operations. An
-    fp32 tile (not a half tile, in either layout) takes them too."""
-    if not half and input.dtype != torch.float32:
+    transform, a bias, a companion, a sharded vocabulary or a float64 accumulation needs the
+    torch operations (the loops' math is fp32). An fp32 tile (not a half tile, in either
+    layout) takes them too."""
+    if acc != torch.float32 or (not half and input.dtype != torch.float32):
         return None
     if (
         not getattr(head, "native", False)
