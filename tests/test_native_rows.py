@@ -1297,3 +1297,32 @@ def test_fp32_calls_without_fused_loops_take_the_torch_operations(kind, layout, 
         assert torch.equal(off, on)
     _fp32_call("cross_entropy", x, W, t, options)
     assert calls["fused"] > 0
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param("class-major", marks=_CM_FIRST_BLOCK_BUG), "row-major"]
+)
+def test_fp32_cross_entropy_first_classes_masked(layout, monkeypatch):
+    """The public face of test_first_block_masked: fp32 linear_cross_entropy whose classes
+    0..63 have -inf weights (their logits -inf for positive features): the per-row losses
+    and lse on the loops' path as on the torch operations' (finite, as torch's)."""
+    _need_compiler()
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv(TILE_LAYOUT_ENV, layout)
+    gen = torch.Generator().manual_seed(47)
+    x = torch.rand(8, 4, generator=gen) + 0.1
+    W = torch.randn(100, 4, generator=gen)
+    W[:64] = -math.inf
+    t = torch.randint(64, 100, (8,), generator=gen)
+    calls = _counting(monkeypatch)
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV, mode)
+        with torch.no_grad():
+            out = linear_ce.linear_cross_entropy(x, W, t, reduction="none", return_lse=True)
+        results.append(torch.stack([out.loss, out.lse]))
+    plain = F.cross_entropy(x.double() @ W.double().T, t, reduction="none")
+    assert calls["stats"] > 0 and results[0].isfinite().all()
+    # The per-row losses at the house bound (the torch operations' fp32 losses as the
+    # plain same-dtype expression).
+    _check([results[1][0]], [plain], [results[0][0]], torch.float32, f"masked {layout}")
