@@ -1318,6 +1318,15 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
 _NATIVE_C = "src/linear_ce/engine/native_rows.c"
 _NATIVE_TESTS = ("tests/test_native_rows.py",)
 
+
+def _nan_line(after: str) -> tuple[str, str]:
+    """The edit that drops the line of a row-major kernel making a row's max NaN (stats or
+    fused, told apart by the line ``after`` it); a macro's line, padded to its
+    continuation."""
+    rest = " " * 60 + "\\\n            " + after
+    return "if (nan) m = NAN;" + rest, " " * len("if (nan) m = NAN;") + rest
+
+
 _NATIVE_ROWS: tuple[Mutation, ...] = (
     Mutation(
         "native_rows",
@@ -1362,7 +1371,14 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "compiled stats: a NaN logit no longer makes the row max NaN",
         _NATIVE_C,
-        (("if (nan) m = NAN;", ""),),
+        (_nan_line("float s[LANES] = {0}, d[LANES] = {0};"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "row-major fused kernel: a NaN logit no longer makes the row max NaN",
+        _NATIVE_C,
+        (_nan_line("float s[LANES] = {0};"),),
         _NATIVE_TESTS,
     ),
     Mutation(
@@ -1418,18 +1434,6 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
-        "cross-entropy native gradient without the z-loss term",
-        "src/linear_ce/losses/cross_entropy.py",
-        (
-            (
-                "a = r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp",
-                "a = r * self.A / stats.sum_exp",
-            ),
-        ),
-        _NATIVE_TESTS,
-    ),
-    Mutation(
-        "native_rows",
         "token log-prob native sums: the entropy's dot sum left out",
         "src/linear_ce/losses/token_logprob.py",
         (('out[:, self.slot["dot"]] = dot', 'out[:, self.slot["dot"]] = 0.0'),),
@@ -1471,6 +1475,124 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "token log-prob native gradient: the entropy's b with the wrong sign",
         "src/linear_ce/losses/token_logprob.py",
         (("b=-(h.to(z.dtype) * factor) / z", "b=(h.to(z.dtype) * factor) / z"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: the sum not rescaled when a block's max grows",
+        _NATIVE_C,
+        (("s[k] * exp_nonpositive(m[k] - part[k])", "s[k]"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: a block's sum starts from its max, not 0",
+        _NATIVE_C,
+        (("            part[k] = 0.0f;\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: the c1 (z-loss) term of a dropped",
+        _NATIVE_C,
+        (
+            (
+                "if (c1[i] != 0.0f) a[k] += c1[i] * (isinf(m[k]) ? m[k] : m[k] + logf(z));",
+                "",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: the target column's gradient not written",
+        _NATIVE_C,
+        (("if (t >= 0) tile[t * ld + r0 + k] = part[k];", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: a thread's rows read their outputs from row 0",
+        _NATIVE_C,
+        (("int64_t i = r0 + k, t = target[i];", "int64_t i = k, t = target[i];"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major kernel: a NaN logit no longer makes the row max NaN",
+        _NATIVE_C,
+        (("if (a[k] != 0.0f) m[k] = s[k] = NAN;", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "row-major fused kernel: the c1 (z-loss) term of a dropped",
+        _NATIVE_C,
+        (("if (c1[i] != 0.0f) a += c1[i] * (isinf(m) ? m : m + logf(z));", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "row-major fused kernel: the target column's gamma not added",
+        _NATIVE_C,
+        (("if (t >= 0) row[t] = STORE(e[t] * a + gamma[i]);", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major tile read with its row count as class stride",
+        "src/linear_ce/engine/native_rows.py",
+        (
+            (
+                "self._fused_cm, tile, tile.stride(1), target, coefficients, scale, 16",
+                "self._fused_cm, tile, tile.shape[0], target, coefficients, scale, 16",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major stats without a target give u_t of -1 targets",
+        "src/linear_ce/engine/native_rows.py",
+        (("return dataclasses.replace(sums, target_u=None)", "return sums"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "chunk loop takes the loops for every fp32 head, fused or not",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                'input.dtype == torch.float32 and getattr(head, "native_fused_known", False)',
+                "input.dtype == torch.float32",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "cross-entropy head no longer takes the loops for fp32 tiles",
+        "src/linear_ce/losses/cross_entropy.py",
+        (("self.native_fused_known = self.native", "self.native_fused_known = False"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "cross-entropy fused coefficients without the z-loss term",
+        "src/linear_ce/losses/cross_entropy.py",
+        (("c1 = 2.0 * r * terms.zeta[rows, p]", "c1 = 0.0 * r * terms.zeta[rows, p]"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "DPO scaled rows' fused gradient: the target's gamma with the wrong sign",
+        "src/linear_ce/losses/sequence_objective.py",
+        (
+            (
+                "return torch.full_like(owned, -factor), torch.zeros_like(owned), factor * owned",
+                "return torch.full_like(owned, -factor), torch.zeros_like(owned), -factor * owned",
+            ),
+        ),
         _NATIVE_TESTS,
     ),
 )
