@@ -497,7 +497,12 @@ def test_bench_reports_the_plan_and_its_rates(monkeypatch):
         f"{b} {lay}" for b in (128, 192, 256) for lay in ("class", "row")
     }
     note = plan_note(plan)
-    assert note.startswith("16×128 rows, row-major, SameDtype (fixed rule: 8×256 rows, class-major")
+    loops = plan["row_loops"]
+    assert loops in ("compiled", "torch")
+    assert note.startswith(
+        f"16×128 rows, row-major, SameDtype, {loops} row loops "
+        f"(fixed rule: 8×256 rows, class-major, SameDtype, {loops} row loops)"
+    )
     assert "GFLOP/s 128:150 192:150 256:150" in note
     info = machine_report()
     assert info["cpu_flags"] == machine.machine_info()["flags"]

@@ -1000,20 +1000,9 @@ def test_fused_masked_classes(layout):
         assert tile[i, target[i]] == gamma[i].to(dtype), i
 
 
-_CM_FIRST_BLOCK_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="lce_fused_cm_f32: a row whose first 64 classes are all -inf keeps m = -inf "
-    "after that block, and the block's sum takes exp(-inf - (-inf)) = exp(NaN): Z, the "
-    "lse and the whole gradient of the row are NaN (row-major kernels and torch: finite)",
-)
-
-
 @pytest.mark.parametrize(
     "layout",
-    [
-        pytest.param(k, marks=_CM_FIRST_BLOCK_BUG) if _FUSED_LAYOUTS[k][1] else k
-        for k in _FUSED_LAYOUTS
-    ],
+    [k for k in _FUSED_LAYOUTS],
 )
 def test_first_block_masked(layout):
     """A row whose first 64 classes (the class-major kernel's first block) are all masked:
@@ -1299,9 +1288,7 @@ def test_fp32_calls_without_fused_loops_take_the_torch_operations(kind, layout, 
     assert calls["fused"] > 0
 
 
-@pytest.mark.parametrize(
-    "layout", [pytest.param("class-major", marks=_CM_FIRST_BLOCK_BUG), "row-major"]
-)
+@pytest.mark.parametrize("layout", ["class-major", "row-major"])
 def test_fp32_cross_entropy_first_classes_masked(layout, monkeypatch):
     """The public face of test_first_block_masked: fp32 linear_cross_entropy whose classes
     0..63 have -inf weights (their logits -inf for positive features): the per-row losses

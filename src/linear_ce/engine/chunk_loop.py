@@ -568,8 +568,15 @@ def _native_rows(
     """The compiled row loops for this call's tile, or ``None`` where the head, the
     transform, a bias, a companion, a sharded vocabulary or a float64 accumulation needs the
     torch operations (the loops' math is fp32). An fp32 tile (not a half tile, in either
-    layout) takes them too."""
-    if acc != torch.float32 or (not half and input.dtype != torch.float32):
+    layout) takes them for cross-entropy (``native_fused_known``): its fused visit reads the
+    tile once for its statistics, where the other heads' two visits save little on a tile
+    that streams from memory either way; and their outputs stay those of a call that asks
+    for more statistics (``top1``, ``topk``: torch's operations) bit for bit."""
+    if acc != torch.float32:
+        return None
+    if not half and not (
+        input.dtype == torch.float32 and getattr(head, "native_fused_known", False)
+    ):
         return None
     if (
         not getattr(head, "native", False)

@@ -168,7 +168,8 @@ class NativeRowsHead(Protocol):
         ``native_targets``."""
 
     def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
-        """``factor · ∂L/∂s`` of ``rows`` as a :class:`NativeGrad`, after ``rows_done``."""
+        """``factor · ∂L/∂s`` of ``rows`` as a :class:`NativeGrad`, after ``rows_done``
+        (a head whose ``native_fused`` never returns ``None`` needs none)."""
 
 
 class KnownStatsHead(Protocol):

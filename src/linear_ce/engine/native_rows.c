@@ -16,7 +16,7 @@
  *   fused_cm: fused for an fp32 class-major tile (a (V, B) array with class stride
  *          ld, read as its (B, V) transpose), vectorised over rows: two passes over the
  *          tile from memory (statistics with a running max, gradient) where torch's
- *          operations take eight. stats_cm and grad_cm: stats and grad on such a tile.
+ *          operations take eight. stats_cm: its statistics alone (no dot sum).
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log (-126 ln 2) gives 0, a NaN u gives NaN. The sums
@@ -225,9 +225,9 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
                      const int64_t* target, const float* c0, const float* c1, const float* gamma,
                      float* row_max, float* sum_exp, float* target_u) {
     int64_t w = r1 - r0;
-    float* work = aligned_alloc(64, (size_t)((4 * w + 15) / 16) * 64);
+    float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
     if (!work) return -1;
-    float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w;
+    float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w, *me = work + 4 * w;
     for (int64_t k = 0; k < w; ++k) {
         m[k] = -INFINITY;
         s[k] = 0.0f;
@@ -251,11 +251,14 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
             int grown = part[k] > m[k];
             s[k] = grown ? s[k] * exp_nonpositive(m[k] - part[k]) : s[k];
             m[k] = grown ? part[k] : m[k];
+            /* While every class so far is -inf, so is this block's: its terms are 0, not
+             * e^(-inf - (-inf)). */
+            me[k] = m[k] == -INFINITY ? 0.0f : m[k];
             part[k] = 0.0f;
         }
         for (int64_t j = j0; j < j1; ++j) {
             const float* p = tile + j * ld + r0;
-            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - m[k]);
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - me[k]);
         }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += part[k];
     }
@@ -286,22 +289,21 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
     return 0;
 }
 
-/* Statistics of the rows [r0, r1) of a class-major fp32 tile, as lce_stats_f32's (dot and
- * target_u where not NULL), with a running max per 64-class block: when a block raises a
- * row's max from m to m', Z and D move to it, Z' = f Z and D' = f (D + (m - m') Z) with
- * f = e^(m - m'). */
+/* Statistics of the rows [r0, r1) of a class-major fp32 tile, as lce_stats_f32's (target_u
+ * where not NULL; no dot sum: dot must be NULL), with a running max per 64-class block: when
+ * a block raises a row's max from m to m', Z moves to it, Z' = e^(m - m') Z. */
 int lce_stats_cm_f32(const float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
                       float scale, const int64_t* target, float* row_max, float* sum_exp,
                       float* dot, float* target_u) {
     int64_t w = r1 - r0;
-    float* work = aligned_alloc(64, (size_t)((6 * w + 15) / 16) * 64);
+    if (dot) return -2;
+    float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
     if (!work) return -1;
-    float *m = work, *s = work + w, *d = work + 2 * w, *bm = work + 3 * w;
-    float *ps = work + 4 * w, *pd = work + 5 * w;
+    float *m = work, *s = work + w, *bm = work + 2 * w, *ps = work + 3 * w, *me = work + 4 * w;
     int nan_seen = 0;
     for (int64_t k = 0; k < w; ++k) {
         m[k] = -INFINITY;
-        s[k] = d[k] = 0.0f;
+        s[k] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < V; j0 += 64) {
         int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
@@ -316,88 +318,33 @@ int lce_stats_cm_f32(const float* tile, int64_t ld, int64_t r0, int64_t r1, int6
         }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
             int grown = bm[k] > m[k];
-            float delta = m[k] - bm[k];
-            float f = grown ? exp_nonpositive(delta) : 1.0f;
-            /* s is 0 while m is -inf: no (-inf) * 0. */
-            d[k] = grown && s[k] != 0.0f ? f * (d[k] + delta * s[k]) : d[k];
-            s[k] = s[k] * f;
+            s[k] = grown ? s[k] * exp_nonpositive(m[k] - bm[k]) : s[k];
             m[k] = grown ? bm[k] : m[k];
-            ps[k] = pd[k] = 0.0f;
+            /* While every class so far is -inf (as fused_cm). */
+            me[k] = m[k] == -INFINITY ? 0.0f : m[k];
+            ps[k] = 0.0f;
         }
         for (int64_t j = j0; j < j1; ++j) {
             const float* p = tile + j * ld + r0;
-            if (dot) {
-                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
-                    float u = p[k] * scale - m[k];
-                    float e = exp_nonpositive(u);
-                    ps[k] += e;
-                    pd[k] += e * (u < -3.0e38f ? 0.0f : u);
-                }
-            } else {
-                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) ps[k] += exp_nonpositive(p[k] * scale - m[k]);
-            }
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) ps[k] += exp_nonpositive(p[k] * scale - me[k]);
         }
-        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
-            s[k] += ps[k];
-            d[k] += pd[k];
-        }
+        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += ps[k];
     }
     if (nan_seen) {
         /* A row with a NaN logit: its max and sums NaN, as torch.amax and the sums give. */
         for (int64_t j = 0; j < V; ++j)
             for (int64_t k = 0; k < w; ++k)
-                if (tile[j * ld + r0 + k] != tile[j * ld + r0 + k]) m[k] = s[k] = d[k] = NAN;
+                if (tile[j * ld + r0 + k] != tile[j * ld + r0 + k]) m[k] = s[k] = NAN;
     }
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k;
         row_max[i] = m[k];
         sum_exp[i] = s[k];
-        if (dot) dot[i] = d[k];
         if (target_u) {
             int64_t t = target[i];
             target_u[i] = t >= 0 ? tile[t * ld + i] * scale - m[k] : 0.0f;
         }
     }
     free(work);
-    return 0;
-}
-
-/* lce_grad_f32's gradient over the rows [r0, r1) of a class-major fp32 tile. */
-int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
-                    const float* row_max, const float* a, const float* b, const float* mu,
-                    const int64_t* target, const float* gamma) {
-    int64_t w = r1 - r0;
-    const float *m = row_max + r0, *ai = a + r0;
-    float* g_t = aligned_alloc(64, (size_t)((w + 15) / 16) * 64);
-    if (!g_t) return -1;
-    /* The target columns' values before the tile is overwritten. */
-    for (int64_t k = 0; k < w; ++k) {
-        int64_t i = r0 + k, t = target ? target[i] : -1;
-        if (t < 0) continue;
-        float u = tile[t * ld + i] * scale - m[k];
-        float e = exp_nonpositive(u);
-        g_t[k] = (e == 0.0f ? 0.0f : b ? e * (ai[k] + b[i] * (u - mu[i])) : e * ai[k]) + gamma[i];
-    }
-    if (b) {
-        const float *bi = b + r0, *mi = mu + r0;
-        for (int64_t j = 0; j < V; ++j) {
-            float* p = tile + j * ld + r0;
-            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
-                float u = p[k] * scale - m[k];
-                float e = exp_nonpositive(u);
-                p[k] = e == 0.0f ? 0.0f : e * (ai[k] + bi[k] * (u - mi[k]));
-            }
-        }
-    } else {
-        for (int64_t j = 0; j < V; ++j) {
-            float* p = tile + j * ld + r0;
-            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) p[k] = exp_nonpositive(p[k] * scale - m[k]) * ai[k];
-        }
-    }
-    for (int64_t k = 0; k < w; ++k) {
-        int64_t t = target ? target[r0 + k] : -1;
-        if (t >= 0) tile[t * ld + r0 + k] = g_t[k];
-    }
-    free(g_t);
     return 0;
 }

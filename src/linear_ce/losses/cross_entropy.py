@@ -50,7 +50,7 @@ import dataclasses
 import torch
 
 from linear_ce.checks.call import Call
-from linear_ce.engine.head import NativeGrad, RowStats, Tile
+from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["CrossEntropyHead", "RowTerms", "mean_denominator", "row_terms", "row_weights"]
@@ -225,6 +225,8 @@ class CrossEntropyHead:
         self.lse = torch.zeros(shape, dtype=acc, device=terms.A.device)
         # The compiled row loops form u_t, not the smoothing term's Σu or a soft target's Σqu.
         self.native = terms.target is not None and not self.smoothing
+        #: native_fused gives every row's gradient coefficients: fp32 tiles take the loops too.
+        self.native_fused_known = self.native
 
     def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         # Σ_j a_ij u_ij: the target logit, the smoothing term, the soft target.
@@ -265,17 +267,12 @@ class CrossEntropyHead:
         self, rows: RowChunk, p: int, factor: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(c0, c1, gamma)`` of the gradient :math:`a = (c_0 + c_1\\,\\mathrm{lse}) / Z`
-        (:meth:`native_grad`'s, known before the row statistics), after ``native_targets``."""
+        (known before the row statistics: the loops write the gradient in the same visit, so
+        this head needs no ``native_grad``), after ``native_targets``."""
         terms = self.terms
-        r = terms.scale[rows, p] * factor
+        r = factor * terms.scale[rows, p]
         c1 = 2.0 * r * terms.zeta[rows, p]
         return r * terms.A[rows, p], c1, -(r * self.alpha_rows) * self.owned
-
-    def native_grad(self, rows: RowChunk, p: int, stats: RowStats, factor: float) -> NativeGrad:
-        terms = self.terms
-        r = terms.scale[rows, p] * factor
-        a = r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp
-        return NativeGrad(a=a, gamma=-(r * self.alpha_rows) * self.owned)
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         terms = self.terms
