@@ -743,8 +743,13 @@ _VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
         _TOKEN_HEAD,
         (
             (
-                "local = self.target[rows, p] - self.start - classes.start",
-                "local = self.target[rows, p] - self.start",
+                "local = self.target[rows, p] - self.start - classes.start\n            hit",
+                "local = self.target[rows, p] - self.start\n            hit",
+            ),
+            # The same offset where the compiled row loops take the block.
+            (
+                "local = self.target[rows, p] - self.start - classes.start\n        owned",
+                "local = self.target[rows, p] - self.start\n        owned",
             ),
         ),
         _VOCAB_PASS_TESTS,
@@ -1549,13 +1554,6 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
-        "class-major stats without a target give u_t of -1 targets",
-        "src/linear_ce/engine/native_rows.py",
-        (("None if target is None else out[3]", "out[3]"),),
-        _NATIVE_TESTS,
-    ),
-    Mutation(
-        "native_rows",
         "chunk loop takes the loops for every fp32 head, fused or not",
         "src/linear_ce/engine/chunk_loop.py",
         (
@@ -1590,6 +1588,25 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
                 "return torch.full_like(owned, -factor), torch.zeros_like(owned), -factor * owned",
             ),
         ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "class-major gradient without the entropy's b term",
+        _NATIVE_C,
+        (
+            (
+                "p[k] = e == 0.0f ? 0.0f : e * (ai[k] + bi[k] * (u - mi[k]));",
+                "p[k] = e == 0.0f ? 0.0f : e * ai[k];",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "vocabulary pass by the loops: the target's log-prob gradient dropped",
+        "src/linear_ce/losses/token_logprob.py",
+        (("            gamma=g * owned,\n", "            gamma=0 * owned,\n"),),
         _NATIVE_TESTS,
     ),
 )

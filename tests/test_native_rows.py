@@ -1313,3 +1313,97 @@ def test_fp32_cross_entropy_first_classes_masked(layout, monkeypatch):
     # The per-row losses at the house bound (the torch operations' fp32 losses as the
     # plain same-dtype expression).
     _check([results[1][0]], [plain], [results[0][0]], torch.float32, f"masked {layout}")
+
+
+# The vocabulary pass (token_logprobs' backward): grad_ on fp32 blocks in either layout.
+
+
+@settings(deadline=None)
+@given(
+    rows=st.sampled_from([1, 15, 16, 17, 40]),
+    classes=st.one_of(st.integers(1, 70), st.integers(64, 900)),
+    targets=st.sampled_from(["all", "some", "none_owned", "absent"]),
+    with_b=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(rows=17, classes=65, targets="some", with_b=True, seed=3)
+def test_class_major_grad_against_float64(rows, classes, targets, with_b, seed):
+    """grad_ on a class-major fp32 tile (a column slice of a wider (V, B) buffer: its class
+    stride is the buffer's rows) at _check_grad's bound, the buffer's other columns
+    untouched; the row-major copy of the tile agrees to a few ulps (the target column's
+    sum may be fused into one rounding on one layout and not the other)."""
+    loops = _loops(torch.float32)
+    _, tile = _tile(rows, classes, torch.float32, 3.0, seed, 0)
+    buffer = torch.full((classes, rows + 5), math.nan)
+    buffer[:, :rows] = tile.T
+    major = buffer[:, :rows].T
+    assert loops.class_major(major)
+    target = _targets(rows, classes, seed, targets)
+    m = loops.stats(tile).row_max
+    a, b, mu, gamma = _row_vectors(rows, seed, with_b)
+    exact = _grad_formula(tile, m, a, b, mu, target, gamma, 1.0, torch.float64)
+    same = _grad_formula(tile, m, a, b, mu, target, gamma, 1.0, torch.float32)
+    gamma = None if target is None else gamma
+    row_major = tile.clone()
+    loops.grad_(row_major, m, a, b=b, mu=mu, target=target, gamma=gamma)
+    loops.grad_(major, m, a, b=b, mu=mu, target=target, gamma=gamma)
+    # _check_grad's bound (its reasons there).
+    bound = max(3 * eps(torch.float32), 2 * rel_err(same, exact))
+    err = rel_err(major, exact)
+    assert err <= bound, f"class-major grad: {err:.3g} > {bound:.3g}"
+    assert rel_err(major, row_major.double()) <= 3 * eps(torch.float32)
+    assert buffer[:, rows:].isnan().all()
+
+
+@pytest.mark.parametrize("layout", ["class-major", "row-major"])
+@pytest.mark.parametrize("flows", ["both", "logprob", "entropy"])
+def test_fp32_vocabulary_pass_both_paths(layout, flows, monkeypatch):
+    """token_logprobs' backward (the vocabulary pass, TokenLogprobGradient.grad_block) in
+    fp32 on both paths, each tile layout, against float64 at the house bound; under
+    LINEAR_CE_NATIVE_ROWS=1 its blocks go to grad_, under 0 to torch's operations."""
+    _need_compiler()
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv(TILE_LAYOUT_ENV, layout)
+    x, W, t = _data(9, 300, 16, 700)
+    gen = torch.Generator().manual_seed(10)
+    up_lp, up_h = torch.randn(2, x.shape[0], generator=gen, dtype=torch.float64)
+    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+
+    def loss_of(logprob, entropy, dtype):
+        loss = 0.0
+        if flows != "entropy":
+            loss = loss + (logprob * up_lp.to(dtype)).sum()
+        if flows != "logprob":
+            loss = loss + (entropy * up_h.to(dtype)).sum()
+        return loss
+
+    def run(dtype):
+        xs, Ws = _leaves((x, W), dtype)
+        out = linear_ce.token_logprobs(xs, Ws, t, entropy=True, options=options)
+        return list(torch.autograd.grad(loss_of(out.logprob, out.entropy, dtype), [xs, Ws]))
+
+    def plain(dtype):
+        xs, Ws = _leaves((x, W), dtype)
+        logp = F.log_softmax(xs @ Ws.T, dim=-1)
+        valid = t != -100
+        logprob = torch.where(valid, logp.gather(1, t.clamp(min=0)[:, None])[:, 0], 0.0)
+        entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+        return list(torch.autograd.grad(loss_of(logprob, entropy, dtype), [xs, Ws]))
+
+    calls = _counting(monkeypatch)
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV, mode)
+        calls.update(stats=0, grad=0, fused=0)
+        results[mode] = run(torch.float32)
+        # fp32 token_logprobs' forward keeps torch's operations; its backward's blocks
+        # take the loops.
+        expected = {"stats": 0, "grad": 0, "fused": 0} if mode == "0" else None
+        if expected:
+            assert calls == expected, calls
+        else:
+            assert calls["grad"] > 0 and calls["stats"] == calls["fused"] == 0, calls
+    exact, same = plain(torch.float64), plain(torch.float32)
+    assert rel_err(run(torch.float64)[0], exact[0]) <= 1e-12
+    for mode, got in results.items():
+        _check(got, exact, same, torch.float32, f"vocabulary pass {layout} {flows} {mode}")

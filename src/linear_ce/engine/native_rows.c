@@ -16,7 +16,8 @@
  *   fused_cm: fused for an fp32 class-major tile (a (V, B) array with class stride
  *          ld, read as its (B, V) transpose), vectorised over rows: two passes over the
  *          tile from memory (statistics with a running max, gradient) where torch's
- *          operations take eight. stats_cm: its statistics alone (no dot sum).
+ *          operations take eight. stats_cm: its statistics alone (no dot sum);
+ *          grad_cm: grad's gradient (the vocabulary pass's blocks of a known row's classes).
  *
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log (-126 ln 2) gives 0, a NaN u gives NaN. The sums
@@ -346,5 +347,44 @@ int lce_stats_cm_f32(const float* tile, int64_t ld, int64_t r0, int64_t r1, int6
         }
     }
     free(work);
+    return 0;
+}
+/* lce_grad_f32's gradient over the rows [r0, r1) of a class-major fp32 tile. */
+int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
+                    const float* row_max, const float* a, const float* b, const float* mu,
+                    const int64_t* target, const float* gamma) {
+    int64_t w = r1 - r0;
+    const float *m = row_max + r0, *ai = a + r0;
+    float* g_t = aligned_alloc(64, (size_t)((w + 15) / 16) * 64);
+    if (!g_t) return -1;
+    /* The target columns' values before the tile is overwritten. */
+    for (int64_t k = 0; k < w; ++k) {
+        int64_t i = r0 + k, t = target ? target[i] : -1;
+        if (t < 0) continue;
+        float u = tile[t * ld + i] * scale - m[k];
+        float e = exp_nonpositive(u);
+        g_t[k] = (e == 0.0f ? 0.0f : b ? e * (ai[k] + b[i] * (u - mu[i])) : e * ai[k]) + gamma[i];
+    }
+    if (b) {
+        const float *bi = b + r0, *mi = mu + r0;
+        for (int64_t j = 0; j < V; ++j) {
+            float* p = tile + j * ld + r0;
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                float u = p[k] * scale - m[k];
+                float e = exp_nonpositive(u);
+                p[k] = e == 0.0f ? 0.0f : e * (ai[k] + bi[k] * (u - mi[k]));
+            }
+        }
+    } else {
+        for (int64_t j = 0; j < V; ++j) {
+            float* p = tile + j * ld + r0;
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) p[k] = exp_nonpositive(p[k] * scale - m[k]) * ai[k];
+        }
+    }
+    for (int64_t k = 0; k < w; ++k) {
+        int64_t t = target ? target[r0 + k] : -1;
+        if (t >= 0) tile[t * ld + r0 + k] = g_t[k];
+    }
+    free(g_t);
     return 0;
 }

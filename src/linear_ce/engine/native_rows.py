@@ -119,12 +119,14 @@ class NativeRows:
         self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
         self._fused = getattr(library, f"lce_fused_{suffix}")
         self._fused.argtypes, self._fused.restype = _FUSED_ARGS, ctypes.c_int
-        self._fused_cm = self._stats_cm = None
+        self._fused_cm = self._stats_cm = self._grad_cm = None
         if dtype == torch.float32:
             self._fused_cm = library.lce_fused_cm_f32
             self._fused_cm.argtypes, self._fused_cm.restype = _FUSED_ARGS, ctypes.c_int
             self._stats_cm = library.lce_stats_cm_f32
             self._stats_cm.argtypes, self._stats_cm.restype = _STATS_ARGS, ctypes.c_int
+            self._grad_cm = library.lce_grad_cm_f32
+            self._grad_cm.argtypes, self._grad_cm.restype = _GRAD_ARGS, ctypes.c_int
 
     def class_major(self, tile: torch.Tensor) -> bool:
         """Whether ``tile`` is a class-major fp32 tile (a ``(V, B)`` array's transpose)."""
@@ -178,16 +180,22 @@ class NativeRows:
         gamma: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``g`` (module doc) over ``tile``; ``row_max``, ``a``, ``b``, ``mu``,
-        ``gamma`` fp32 ``(B,)``; ``b`` and ``mu`` together, ``target`` and ``gamma`` together."""
-        self._check(tile)
+        ``gamma`` fp32 ``(B,)``; ``b`` and ``mu`` together, ``target`` and ``gamma`` together.
+        An fp32 tile may be class-major (:meth:`class_major`)."""
+        class_major = self.class_major(tile)
+        if not class_major:
+            self._check(tile)
         rows = tile.shape[0]
         if (b is None) != (mu is None) or (target is None) != (gamma is None):
             raise ValueError("native_rows.grad_: b goes with mu, target with gamma")
         target = _targets(target, rows)
         vectors = [_rows_vector(t, rows) for t in (row_max, a, b, mu)]
         gamma = _rows_vector(gamma, rows)
+        kernel, stride = (
+            (self._grad_cm, tile.stride(1)) if class_major else (self._grad, tile.stride(0))
+        )
         pointers = [*[_address(t) for t in vectors], _address(target), _address(gamma)]
-        _run(self._grad, tile, tile.stride(0), scale, pointers, 1)
+        _run(kernel, tile, stride, scale, pointers, 16 if class_major else 1)
         return tile
 
     def fused_(
