@@ -1349,8 +1349,8 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         _NATIVE_C,
         (
             (
-                "row[j] = STORE(e == 0.0f ? 0.0f : e * (ai + bi * (u - mi)));",
-                "row[j] = STORE(e == 0.0f ? 0.0f : e * ai);",
+                "row[j] = STORE(e * (e == 0.0f ? ai + bi + mi : ai + bi * (u - mi)));",
+                "row[j] = STORE(e * (e == 0.0f ? ai + bi + mi : ai));",
             ),
         ),
         _NATIVE_TESTS,
@@ -1596,8 +1596,8 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         _NATIVE_C,
         (
             (
-                "p[k] = e == 0.0f ? 0.0f : e * (ai[k] + bi[k] * (u - mi[k]));",
-                "p[k] = e == 0.0f ? 0.0f : e * ai[k];",
+                "p[k] = e * (e == 0.0f ? ai[k] + bi[k] + mi[k] : ai[k] + bi[k] * (u - mi[k]));",
+                "p[k] = e * (e == 0.0f ? ai[k] + bi[k] + mi[k] : ai[k]);",
             ),
         ),
         _NATIVE_TESTS,

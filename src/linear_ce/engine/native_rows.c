@@ -19,6 +19,9 @@
  *          operations take eight. stats_cm: its statistics alone (no dot sum);
  *          grad_cm: grad's gradient (the vocabulary pass's blocks of a known row's classes).
  *
+ * Where e_j = 0 (a masked class, u_j = -inf) g_j is 0 (the limit, not 0 * inf), times a
+ * NaN where a row's coefficients hold one (a row the forward found non-finite stays NaN,
+ * as the plain expression's).
  * exp is a Cody-Waite reduction and a degree-7 Taylor polynomial (< 2 ulp over
  * u <= 0); u below the smallest normal's log (-126 ln 2) gives 0, a NaN u gives NaN. The sums
  * use 64 fp32 partial sums per row. Plain C, no threads: the caller splits rows.
@@ -144,7 +147,8 @@ static inline float exp_nonpositive(float u) {
             if (t >= 0) {                                                                \
                 float u = value_##NAME(row[t], scale) - m;                    \
                 float e = exp_nonpositive(u);                                            \
-                g_t = e == 0.0f ? 0.0f : b ? e * (ai + b[i] * (u - mu[i])) : e * ai;     \
+                g_t = !b ? e * ai : e == 0.0f ? e * (ai + b[i] + mu[i])                  \
+                                              : e * (ai + b[i] * (u - mu[i]));           \
                 g_t += gamma[i];                                                         \
             }                                                                            \
             if (b) {                                                                     \
@@ -152,7 +156,7 @@ static inline float exp_nonpositive(float u) {
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
                     float u = value_##NAME(row[j], scale) - m;                \
                     float e = exp_nonpositive(u);                                        \
-                    row[j] = STORE(e == 0.0f ? 0.0f : e * (ai + bi * (u - mi)));         \
+                    row[j] = STORE(e * (e == 0.0f ? ai + bi + mi : ai + bi * (u - mi))); \
                 }                                                                        \
             } else {                                                                     \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
@@ -363,7 +367,9 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
         if (t < 0) continue;
         float u = tile[t * ld + i] * scale - m[k];
         float e = exp_nonpositive(u);
-        g_t[k] = (e == 0.0f ? 0.0f : b ? e * (ai[k] + b[i] * (u - mu[i])) : e * ai[k]) + gamma[i];
+        g_t[k] = !b ? e * ai[k]
+                    : e * (e == 0.0f ? ai[k] + b[i] + mu[i] : ai[k] + b[i] * (u - mu[i]));
+        g_t[k] += gamma[i];
     }
     if (b) {
         const float *bi = b + r0, *mi = mu + r0;
@@ -372,7 +378,7 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
             _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
                 float u = p[k] * scale - m[k];
                 float e = exp_nonpositive(u);
-                p[k] = e == 0.0f ? 0.0f : e * (ai[k] + bi[k] * (u - mi[k]));
+                p[k] = e * (e == 0.0f ? ai[k] + bi[k] + mi[k] : ai[k] + bi[k] * (u - mi[k]));
             }
         }
     } else {
