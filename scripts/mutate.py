@@ -1399,7 +1399,7 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "stats read rows at the tile's width, not its row stride",
         "src/linear_ce/engine/native_rows.py",
-        (("(self._stats, tile.stride(0))", "(self._stats, tile.shape[1])"),),
+        (("else tile.stride(0)", "else tile.shape[1]"),),
         _NATIVE_TESTS,
     ),
     Mutation(
@@ -1523,7 +1523,7 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "class-major kernel: a NaN logit no longer makes the row max NaN",
         _NATIVE_C,
-        (("if (a[k] != 0.0f) m[k] = s[k] = NAN;", ""),),
+        (("if (nan[k] != 0.0f) m[k] = s[k] = NAN;", ""),),
         _NATIVE_TESTS,
     ),
     Mutation(
@@ -1544,12 +1544,7 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "class-major tile read with its row count as class stride",
         "src/linear_ce/engine/native_rows.py",
-        (
-            (
-                "self._fused_cm, tile, tile.stride(1), target, coefficients, scale, 16",
-                "self._fused_cm, tile, tile.shape[0], target, coefficients, scale, 16",
-            ),
-        ),
+        (("tile.stride(1) if class_major", "tile.shape[0] if class_major"),),
         _NATIVE_TESTS,
     ),
     Mutation(

@@ -225,22 +225,19 @@ FUSED(f32, float, to_f32)
 
 /* The rows [r0, r1) of a class-major tile: every pass walks the classes in order and,
  * for each, the rows' contiguous run, so the tile streams through the cache (a block of
- * rows walked class by class would touch a new page per class). */
-int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
-                     const int64_t* target, const float* c0, const float* c1, const float* gamma,
-                     float* row_max, float* sum_exp, float* target_u) {
-    int64_t w = r1 - r0;
-    float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
-    if (!work) return -1;
-    float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w, *me = work + 4 * w;
+ * rows walked class by class would touch a new page per class).
+ *
+ * cm_statistics: each row's max m and sum s of e^(v - m), w = r1 - r0 rows; part, me and
+ * nan are scratch of w floats. Per block of 64 classes (in cache between its two reads):
+ * its max, the sum so far rescaled when the block raises the max (s' = e^(m - m') s), then
+ * the block's exponentials added: one read of the tile from memory, ~(64 + V/64) roundings
+ * per sum. A NaN logit makes the row's max and sum NaN, as torch.amax and the sum of exp do. */
+static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, int64_t V,
+                          float scale, float* m, float* s, float* part, float* me, float* nan) {
     for (int64_t k = 0; k < w; ++k) {
         m[k] = -INFINITY;
-        s[k] = 0.0f;
-        a[k] = 0.0f; /* NaN seen */
+        s[k] = nan[k] = 0.0f;
     }
-    /* Per block of 64 classes (in cache between its two reads): its max, the sum so far
-     * rescaled to a larger max, then the block's exponentials added. One read of the tile
-     * from memory for the statistics. */
     for (int64_t j0 = 0; j0 < V; j0 += 64) {
         int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
         for (int64_t k = 0; k < w; ++k) part[k] = -INFINITY;
@@ -249,7 +246,7 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
             _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
                 float v = p[k] * scale;
                 part[k] = v > part[k] ? v : part[k];
-                a[k] = v != v ? 1.0f : a[k];
+                nan[k] = v != v ? 1.0f : nan[k];
             }
         }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
@@ -267,9 +264,19 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
         }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += part[k];
     }
-    /* A NaN logit makes the row's max and sum NaN, as torch.amax and the sum of exp do. */
     for (int64_t k = 0; k < w; ++k)
-        if (a[k] != 0.0f) m[k] = s[k] = NAN;
+        if (nan[k] != 0.0f) m[k] = s[k] = NAN;
+}
+
+int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
+                     const int64_t* target, const float* c0, const float* c1, const float* gamma,
+                     float* row_max, float* sum_exp, float* target_u) {
+    int64_t w = r1 - r0;
+    float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
+    if (!work) return -1;
+    float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w, *me = work + 4 * w;
+    /* a holds cm_statistics' NaN flags until it holds the rows' coefficients. */
+    cm_statistics(tile, ld, r0, w, V, scale, m, s, part, me, a);
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k, t = target[i];
         float z = s[k];
@@ -295,64 +302,27 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
 }
 
 /* Statistics of the rows [r0, r1) of a class-major fp32 tile, as lce_stats_f32's (target_u
- * where not NULL; no dot sum: dot must be NULL), with a running max per 64-class block: when
- * a block raises a row's max from m to m', Z moves to it, Z' = e^(m - m') Z. */
+ * where not NULL), by cm_statistics. No dot sum: the caller never asks one of a class-major
+ * tile (dot is unused; its argument keeps lce_stats_f32's signature). */
 int lce_stats_cm_f32(const float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
-                      float scale, const int64_t* target, float* row_max, float* sum_exp,
-                      float* dot, float* target_u) {
+                     float scale, const int64_t* target, float* row_max, float* sum_exp,
+                     float* dot, float* target_u) {
+    (void)dot;
     int64_t w = r1 - r0;
-    if (dot) return -2;
     float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
     if (!work) return -1;
-    float *m = work, *s = work + w, *bm = work + 2 * w, *ps = work + 3 * w, *me = work + 4 * w;
-    int nan_seen = 0;
-    for (int64_t k = 0; k < w; ++k) {
-        m[k] = -INFINITY;
-        s[k] = 0.0f;
-    }
-    for (int64_t j0 = 0; j0 < V; j0 += 64) {
-        int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
-        for (int64_t k = 0; k < w; ++k) bm[k] = -INFINITY;
-        for (int64_t j = j0; j < j1; ++j) {
-            const float* p = tile + j * ld + r0;
-            _Pragma("omp simd reduction(| : nan_seen)") for (int64_t k = 0; k < w; ++k) {
-                float v = p[k] * scale;
-                bm[k] = v > bm[k] ? v : bm[k];
-                nan_seen |= v != v;
-            }
-        }
-        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
-            int grown = bm[k] > m[k];
-            s[k] = grown ? s[k] * exp_nonpositive(m[k] - bm[k]) : s[k];
-            m[k] = grown ? bm[k] : m[k];
-            /* While every class so far is -inf (as fused_cm). */
-            me[k] = m[k] == -INFINITY ? 0.0f : m[k];
-            ps[k] = 0.0f;
-        }
-        for (int64_t j = j0; j < j1; ++j) {
-            const float* p = tile + j * ld + r0;
-            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) ps[k] += exp_nonpositive(p[k] * scale - me[k]);
-        }
-        _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += ps[k];
-    }
-    if (nan_seen) {
-        /* A row with a NaN logit: its max and sums NaN, as torch.amax and the sums give. */
-        for (int64_t j = 0; j < V; ++j)
-            for (int64_t k = 0; k < w; ++k)
-                if (tile[j * ld + r0 + k] != tile[j * ld + r0 + k]) m[k] = s[k] = NAN;
-    }
+    float *m = work, *s = work + w;
+    cm_statistics(tile, ld, r0, w, V, scale, m, s, work + 2 * w, work + 3 * w, work + 4 * w);
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k;
         row_max[i] = m[k];
         sum_exp[i] = s[k];
-        if (target_u) {
-            int64_t t = target[i];
-            target_u[i] = t >= 0 ? tile[t * ld + i] * scale - m[k] : 0.0f;
-        }
+        if (target_u) target_u[i] = target[i] >= 0 ? tile[target[i] * ld + i] * scale - m[k] : 0.0f;
     }
     free(work);
     return 0;
 }
+
 /* lce_grad_f32's gradient over the rows [r0, r1) of a class-major fp32 tile. */
 int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
                     const float* row_max, const float* a, const float* b, const float* mu,

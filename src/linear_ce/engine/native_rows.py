@@ -160,11 +160,8 @@ class NativeRows:
         target = _targets(target, rows)
         sums = RowSums(out[0], out[1], out[2] if dot else None, None if target is None else out[3])
         args = (sums.row_max, sums.sum_exp, sums.dot, sums.target_u)
-        kernel, stride = (
-            (self._stats_cm, tile.stride(1)) if class_major else (self._stats, tile.stride(0))
-        )
         pointers = [_address(target), *[_address(t) for t in args]]
-        _run(kernel, tile, stride, scale, pointers, 16 if class_major else 1)
+        _run(self._stats_cm if class_major else self._stats, tile, scale, pointers, class_major)
         return sums
 
     def grad_(
@@ -191,11 +188,8 @@ class NativeRows:
         target = _targets(target, rows)
         vectors = [_rows_vector(t, rows) for t in (row_max, a, b, mu)]
         gamma = _rows_vector(gamma, rows)
-        kernel, stride = (
-            (self._grad_cm, tile.stride(1)) if class_major else (self._grad, tile.stride(0))
-        )
         pointers = [*[_address(t) for t in vectors], _address(target), _address(gamma)]
-        _run(kernel, tile, stride, scale, pointers, 16 if class_major else 1)
+        _run(self._grad_cm if class_major else self._grad, tile, scale, pointers, class_major)
         return tile
 
     def fused_(
@@ -212,37 +206,31 @@ class NativeRows:
         and the gradient with ``a = (c0 + c1·lse) / Z``, ``b = 0`` written over it in the
         same visit of each row; ``c0``, ``c1``, ``gamma`` fp32 ``(B,)``. An fp32 tile may be
         class-major (:meth:`class_major`)."""
-        if self.class_major(tile):
-            return self._class_major(tile, target, (c0, c1, gamma), scale)
-        self._check(tile)
-        return self._run_fused(self._fused, tile, tile.stride(0), target, (c0, c1, gamma), scale, 1)
-
-    def _class_major(self, tile, target, coefficients, scale) -> RowSums:
-        # Each thread's rows a multiple of 16 (a vector of rows, a cache line).
-        return self._run_fused(
-            self._fused_cm, tile, tile.stride(1), target, coefficients, scale, 16
-        )
-
-    def _run_fused(self, kernel, tile, stride, target, coefficients, scale, align) -> RowSums:
+        class_major = self.class_major(tile)
+        if not class_major:
+            self._check(tile)
         rows = tile.shape[0]
         out = torch.empty((3, rows), dtype=torch.float32)
         target = _targets(target, rows)
-        vectors = [_rows_vector(t, rows) for t in coefficients]
+        vectors = [_rows_vector(t, rows) for t in (c0, c1, gamma)]
         pointers = [_address(t) for t in (target, *vectors, *out)]
-        _run(kernel, tile, stride, scale, pointers, align)
+        _run(self._fused_cm if class_major else self._fused, tile, scale, pointers, class_major)
         return RowSums(out[0], out[1], None, out[2])
 
 
-def _run(kernel, tile: torch.Tensor, stride: int, scale: float, pointers: list, align: int) -> None:
+def _run(kernel, tile: torch.Tensor, scale: float, pointers: list, class_major: bool) -> None:
     """``kernel`` over ``tile``'s rows, split over threads (a non-zero return: no memory for
-    its scratch)."""
+    its scratch). A class-major tile's rows go in runs of 16 per thread (a vector of rows, a
+    cache line), its class stride ``tile.stride(1)``; a row-major tile's row stride is
+    ``tile.stride(0)``."""
     failed = []
+    stride = tile.stride(1) if class_major else tile.stride(0)
 
     def run(r0: int, r1: int) -> None:
         if kernel(tile.data_ptr(), stride, r0, r1, tile.shape[1], scale, *pointers):
             failed.append((r0, r1))
 
-    _split(tile.shape[0], run, align=align)
+    _split(tile.shape[0], run, align=16 if class_major else 1)
     if failed:
         raise MemoryError(f"native_rows: no memory for the scratch of {tile.shape[0]} rows")
 
