@@ -47,12 +47,17 @@ GLOO_TEARDOWN_HANGS = torch.__version__ < "2.8"
 def run_gloo_rank(rank: int, world: int, folder: str, check: Callable[[], object]) -> None:
     """One rank of a spawned multi-process test: joins the gloo group of ``world`` ranks
     (its file store in ``folder``), writes what ``check()`` returns (JSON: the failures
-    found) to ``folder/rank<rank>.json`` and leaves the group.
+    found) to ``folder/rank<rank>.json``, waits until every rank has written its findings
+    (so none has a collective in flight), leaves the group and ends at once
+    (``os._exit``): exit code 0, or 1 with the traceback printed where ``check`` raised,
+    which ``mp.spawn`` reports.
 
-    Where the group's teardown can hang (:data:`GLOO_TEARDOWN_HANGS`) it is never torn
-    down: once every rank has written its findings (so none has a collective in flight),
-    the process ends at once (``os._exit``), the group with it; a rank whose ``check``
-    raised prints the traceback and ends with exit code 1, which ``mp.spawn`` reports."""
+    The rank never reaches the interpreter's finalization, where gloo's worker threads
+    may still hold a collective's tensors and dropping them aborts the process (SIGABRT,
+    "terminate called without an active exception": pytorch PR 179291; seen once in CI,
+    torch 2.13, tests/test_distributed_sequence.py at world 2, after both ranks' checks).
+    Where the group's teardown itself can hang (:data:`GLOO_TEARDOWN_HANGS`) it is not
+    torn down at all: ``os._exit`` ends the group with the process."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -62,13 +67,6 @@ def run_gloo_rank(rank: int, world: int, folder: str, check: Callable[[], object
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
-    if not GLOO_TEARDOWN_HANGS:
-        try:
-            found = check()
-        finally:
-            dist.destroy_process_group()
-        _write_findings(folder, rank, found)
-        return
     status = 0
     try:
         found = check()
@@ -76,6 +74,8 @@ def run_gloo_rank(rank: int, world: int, folder: str, check: Callable[[], object
         done = dist.FileStore(f"{folder}/done", world)
         done.set(f"rank{rank}", "done")
         done.wait([f"rank{r}" for r in range(world)], datetime.timedelta(seconds=60))
+        if not GLOO_TEARDOWN_HANGS:
+            dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         status = 1
