@@ -32,7 +32,7 @@ import sequence_formula as seqref
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.engine import native_rows as nr
-from linear_ce.engine.capability import native_half_gemm
+from linear_ce.engine.capability import NATIVE_HALF_GEMM_ENV, native_half_gemm
 from linear_ce.engine.machine import STEP_ROWS_ENV, TILE_LAYOUT_ENV
 
 CPU = torch.device("cpu")
@@ -472,32 +472,53 @@ def test_library_is_cached(monkeypatch, fresh_build):
 
 
 def _counting(monkeypatch):
-    """Counts the loops' calls (stats, grad_, fused_: statistics and gradient in one)."""
+    """Counts the loops' calls (stats, grad_, fused_: statistics and gradient in one);
+    where the dict holds a set under ``"tiles"``, the dtypes of the tiles they got."""
     calls = {"stats": 0, "grad": 0, "fused": 0}
-    stats, grad, fused = nr.NativeRows.stats, nr.NativeRows.grad_, nr.NativeRows.fused_
 
-    def counted_stats(self, *args, **kwargs):
-        calls["stats"] += 1
-        return stats(self, *args, **kwargs)
+    def counted(name, key):
+        original = getattr(nr.NativeRows, name)
 
-    def counted_grad(self, *args, **kwargs):
-        calls["grad"] += 1
-        return grad(self, *args, **kwargs)
+        def call(self, tile, *args, **kwargs):
+            calls[key] += 1
+            if "tiles" in calls:
+                calls["tiles"].add(tile.dtype)
+            return original(self, tile, *args, **kwargs)
 
-    def counted_fused(self, *args, **kwargs):
-        calls["fused"] += 1
-        return fused(self, *args, **kwargs)
+        monkeypatch.setattr(nr.NativeRows, name, call)
 
-    monkeypatch.setattr(nr.NativeRows, "stats", counted_stats)
-    monkeypatch.setattr(nr.NativeRows, "grad_", counted_grad)
-    monkeypatch.setattr(nr.NativeRows, "fused_", counted_fused)
+    for name, key in (("stats", "stats"), ("grad_", "grad"), ("fused_", "fused")):
+        counted(name, key)
     return calls
 
 
-def _both_paths(monkeypatch, dtype, run, *, grads=True):
-    """``run()`` with the loops off and on: each result, after checking the path taken."""
-    # An fp32 tile needs no native half GEMM (the loops take fp32 cross-entropy too).
-    if dtype != torch.float32 and not native_half_gemm(dtype, CPU):
+#: The tiles a head's loops may get in the chunk loop: the input dtype and the environment
+#: that forces the tile. bf16/fp16: a half tile (native half GEMMs: skipped on a CPU
+#: without them); bf16-fp32-tile: bf16 inputs where the CPU has no native bf16 GEMMs (fp32
+#: GEMMs on upcast blocks of the weight, an fp32 tile), forced on any CPU.
+_HEAD_TILES = {
+    "bf16": (torch.bfloat16, {}),
+    "f16": (torch.float16, {}),
+    "f32-class-major": (torch.float32, {TILE_LAYOUT_ENV: "class-major"}),
+    "f32-row-major": (torch.float32, {TILE_LAYOUT_ENV: "row-major"}),
+    "bf16-fp32-tile": (torch.bfloat16, {NATIVE_HALF_GEMM_ENV: "0"}),
+}
+
+
+def _head_tile(tile, monkeypatch):
+    """``(dtype, fp32_tile)`` of a :data:`_HEAD_TILES` entry, its environment set."""
+    dtype, env = _HEAD_TILES[tile]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return dtype, dtype == torch.float32 or bool(env)
+
+
+def _both_paths(monkeypatch, dtype, run, *, grads=True, fp32_tile=None):
+    """``run()`` with the loops off and on: each result, after checking the path taken
+    (under ``=1`` every tile the loops got is fp32 where ``fp32_tile``, else a half tile of
+    ``dtype``; ``None``: fp32 inputs' fp32 tiles)."""
+    fp32_tile = dtype == torch.float32 if fp32_tile is None else fp32_tile
+    if not fp32_tile and not native_half_gemm(dtype, CPU):
         pytest.skip(f"this CPU has no native {dtype} GEMMs (no half tile)")
     _need_compiler()
     # The fixed rules' plan, which takes the half tile wherever native half GEMMs exist.
@@ -508,12 +529,15 @@ def _both_paths(monkeypatch, dtype, run, *, grads=True):
     for mode in ("0", "1"):
         monkeypatch.setenv(ENV, mode)
         calls.update(stats=0, grad=0, fused=0)
+        calls["tiles"] = set()
         results[mode] = run()
+        tiles = calls.pop("tiles")
         if mode == "0":
             assert calls == {"stats": 0, "grad": 0, "fused": 0}
         else:
             visits, grad_visits = calls["stats"] + calls["fused"], calls["grad"] + calls["fused"]
             assert visits > 0 and (grad_visits > 0) == grads, calls
+            assert tiles == {torch.float32 if fp32_tile else dtype}, tiles
         counts[mode] = dict(calls)
     return results, counts
 
@@ -539,14 +563,16 @@ def _data(seed, rows, feat, classes, ignored=0.25):
     return x, W, t
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("tile", ["bf16", "f16", "bf16-fp32-tile"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize(
     "z_loss, scale, temperature", [(0.0, 1.0, 1.0), (1e-2, 1.3, 0.8)], ids=["plain", "zloss-scaled"]
 )
-def test_cross_entropy_both_paths(dtype, reduction, z_loss, scale, temperature, monkeypatch):
-    """linear_cross_entropy with a quarter of the rows ignored, chunks of 96 rows in steps
-    of 16: loss and gradients against float64 on both paths."""
+def test_cross_entropy_both_paths(tile, reduction, z_loss, scale, temperature, monkeypatch):
+    """Half-input linear_cross_entropy with a quarter of the rows ignored, chunks of 96
+    rows (a half tile's in steps of 16, or an fp32 tile's): loss and gradients against
+    float64 on both paths."""
+    dtype, fp32_tile = _head_tile(tile, monkeypatch)
     monkeypatch.setenv(STEP_ROWS_ENV, "16")
     x, W, t = _data(3, 300, 24, 200)
     options = LinearCrossEntropyOptions(batch_chunk_size=96)
@@ -570,10 +596,10 @@ def test_cross_entropy_both_paths(dtype, reduction, z_loss, scale, temperature, 
         loss = fn(*leaves)
         return [loss.detach(), *torch.autograd.grad(loss, leaves)]
 
-    results, _ = _both_paths(monkeypatch, dtype, lambda: run(ours, dtype))
+    results, _ = _both_paths(monkeypatch, dtype, lambda: run(ours, dtype), fp32_tile=fp32_tile)
     exact, same = run(plain, torch.float64), run(plain, dtype)
     for mode, got in results.items():
-        _check(got, exact, same, dtype, f"cross_entropy {mode}")
+        _check(got, exact, same, dtype, f"cross_entropy {tile} {mode}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -654,10 +680,12 @@ def _clipped(lp, old, adv, low=0.2, high=0.28):
     return -torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("tile", list(_HEAD_TILES))
 @pytest.mark.parametrize("entropy", [False, True])
-def test_token_objective_both_paths(dtype, entropy, monkeypatch):
-    """token_objective of the clipped surrogate (and an entropy bonus: the b term)."""
+def test_token_objective_both_paths(tile, entropy, monkeypatch):
+    """token_objective of the clipped surrogate (and an entropy bonus: the b term, and the
+    dot sum of the statistics), on every tile the loops take."""
+    dtype, fp32_tile = _head_tile(tile, monkeypatch)
     monkeypatch.setenv(STEP_ROWS_ENV, "8")
     rows = 160
     x, W, t = _data(9, rows, 16, 250)
@@ -686,17 +714,19 @@ def test_token_objective_both_paths(dtype, entropy, monkeypatch):
         loss = torch.where(scored, terms, 0.0).sum()
         return [loss.detach(), *torch.autograd.grad(loss, leaves)]
 
-    results, _ = _both_paths(monkeypatch, dtype, ours)
+    results, _ = _both_paths(monkeypatch, dtype, ours, fp32_tile=fp32_tile)
     exact, same = plain(torch.float64), plain(dtype)
     for mode, got in results.items():
-        _check(got, exact, same, dtype, f"token_objective {mode}", floor=4)
+        _check(got, exact, same, dtype, f"token_objective {tile} {mode}", floor=4)
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("tile", list(_HEAD_TILES))
 @pytest.mark.parametrize("entropy", [False, True])
-def test_sequence_objective_dpo_both_paths(dtype, entropy, monkeypatch):
+def test_sequence_objective_dpo_both_paths(tile, entropy, monkeypatch):
     """sequence_objective of DPO over 6 pairs of padded sequences (a quarter of the
-    labels ignored), chunks of whole pairs; with entropy asked too (the dot sum)."""
+    labels ignored), chunks of whole pairs; with entropy asked too (the dot sum); on every
+    tile the loops take."""
+    dtype, fp32_tile = _head_tile(tile, monkeypatch)
     monkeypatch.setenv(STEP_ROWS_ENV, "8")
     seqs, length, feat, classes = 12, 20, 16, 150
     gen = torch.Generator().manual_seed(12)
@@ -725,10 +755,51 @@ def test_sequence_objective_dpo_both_paths(dtype, entropy, monkeypatch):
         loss = seqref.dpo_loss("sigmoid", per_seq, refs.to(dt), n, 0.1).mean()
         return [loss.detach(), *torch.autograd.grad(loss, leaves)]
 
-    results, _ = _both_paths(monkeypatch, dtype, ours)
+    results, _ = _both_paths(monkeypatch, dtype, ours, fp32_tile=fp32_tile)
     exact, same = plain(torch.float64), plain(dtype)
     for mode, got in results.items():
-        _check(got, exact, same, dtype, f"sequence_objective {mode}", floor=4)
+        _check(got, exact, same, dtype, f"sequence_objective {tile} {mode}", floor=4)
+
+
+def test_fp32_loops_plan_one_tile(monkeypatch):
+    """With entropy, torch's operations keep eᵘ in a second fp32 tile, which the loops do
+    not (they write the gradient over the tile): the plan of token_objective and of
+    sequence_objective's fused path divides its budget by the tiles held, one where the
+    loops take the call (its chunks twice as long) and two where they do not."""
+    import linear_ce.engine.chunk_loop as chunk_loop
+    import linear_ce.ops.sequence_objective as sequence_ops
+
+    _need_compiler()
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    seen = []
+    for module in (chunk_loop, sequence_ops):
+        original = module.make_plan
+
+        def recorded(*args, _original=original, **kwargs):
+            seen.append(kwargs.get("tiles", 1))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "make_plan", recorded)
+    x, W, t = _data(4, 64, 8, 90)
+    xs, Ws = _leaves((x, W), torch.float32)
+    seq = t.reshape(8, 8)
+    seq[:, 0] = 1
+    tiles = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV, mode)
+        seen.clear()
+        objective = obj.clipped_policy_gradient() + obj.entropy_bonus(0.05)
+        loss = linear_ce.token_objective(
+            xs, Ws, t, objective, entropy=True, advantage=torch.ones(64)
+        )
+        loss.backward()
+        out = linear_ce.sequence_objective(
+            xs.reshape(8, 8, -1), Ws, seq, obj.dpo(0.1), group="pairs", entropy=True,
+            ref_logprob=torch.zeros(8),
+        )  # fmt: skip
+        out.loss.backward()
+        tiles[mode] = list(seen)
+    assert tiles == {"0": [2, 2], "1": [1, 1]}, tiles
 
 
 _TORCH_ONLY = {
@@ -909,8 +980,8 @@ _FUSED_EDGE = dict(
 def test_fused_against_float64(layout, case):
     """fused_ (row max exact; Z, u_t at fp32's bound; the gradient at the tile's) for
     bf16, fp16, fp32 row-major tiles and fp32 class-major ones, slices of wider buffers;
-    on a class-major tile stats too, with a target and without (the same kernel without
-    the gradient: the same bits as fused_'s statistics)."""
+    on a class-major tile stats too, with a target and without, and with the dot sum (the
+    same kernel without the gradient: the same bits as fused_'s statistics)."""
     dtype, class_major = _FUSED_LAYOUTS[layout]
     loops = _loops(dtype)
     rows, classes, scale = case["rows"], case["classes"], case["scale"]
@@ -925,6 +996,11 @@ def test_fused_against_float64(layout, case):
         assert alone.target_u is None and alone.dot is None
         assert torch.equal(alone.row_max, stats.row_max)
         assert torch.equal(alone.sum_exp, stats.sum_exp)
+        # With the dot sum (its own rescaling as the max grows): D at fp32's bound, the
+        # other statistics the same bits as without it.
+        with_dot = _check_stats(loops, tile, scale, target, True, dtype)
+        for name in ("row_max", "sum_exp", "target_u"):
+            assert torch.equal(getattr(with_dot, name), getattr(stats, name)), name
     got = _check_fused(loops, tile, outside, scale, target, coefficients, dtype)
     if class_major:
         for name in ("row_max", "sum_exp", "target_u"):
@@ -1005,7 +1081,7 @@ def test_fused_masked_classes(layout):
 def test_first_block_masked(layout):
     """A row whose first 64 classes (the class-major kernel's first block) are all masked:
     its statistics and gradient as any masked row's (finite, the masked gradient 0), in
-    stats and fused_."""
+    stats (with the dot sum and without) and fused_."""
     dtype, _ = _FUSED_LAYOUTS[layout]
     loops = _loops(dtype)
     rows, classes = 3, 100
@@ -1014,6 +1090,8 @@ def test_first_block_masked(layout):
     target = torch.tensor([3, 70, 5])
     coefficients = _coefficients(rows, 43, True)
     _check_stats(loops, tile, 1.0, target, False, dtype)
+    # The dot sum's rescaling starts from that block's empty sums (0, not 0 · inf).
+    _check_stats(loops, tile, 1.0, target, True, dtype)
     _check_fused(loops, tile, outside, 1.0, target, coefficients, dtype)
     assert (tile[1, :64] == 0).all()
 
@@ -1021,8 +1099,8 @@ def test_first_block_masked(layout):
 @pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
 def test_fused_nan_logit(layout):
     """A NaN logit makes its row's max, Z, u_t and whole gradient NaN (as torch.amax and
-    torch.exp of NaN) in fused_ and, on a class-major tile, in stats; the other rows (on
-    both sides of a 16-row boundary) are as without it."""
+    torch.exp of NaN) in fused_ and, on a class-major tile, in stats (its dot sum too);
+    the other rows (on both sides of a 16-row boundary) are as without it."""
     dtype, class_major = _FUSED_LAYOUTS[layout]
     loops = _loops(dtype)
     rows, classes = 20, 100
@@ -1036,10 +1114,11 @@ def test_fused_nan_logit(layout):
     x = tile.clone()
     calls = [loops.fused_(tile, target, c0, c1, gamma)]
     if class_major:
-        calls.append(loops.stats(x.T.contiguous().T, target=target))
+        calls.append(loops.stats(x.T.contiguous().T, target=target, dot=True))
     for got in calls:
-        for value in (got.row_max, got.sum_exp, got.target_u):
-            assert torch.equal(value.isnan(), bad)
+        for value in (got.row_max, got.sum_exp, got.target_u, got.dot):
+            if value is not None:
+                assert torch.equal(value.isnan(), bad)
     assert torch.equal(tile.isnan().all(1), bad) and not tile[~bad].isnan().any()
     assert outside.isnan().all()
     keep = ~bad
@@ -1071,10 +1150,11 @@ def test_class_major_split_over_threads(rows):
         for n in (1, 3, 8):
             torch.set_num_threads(n)
             alone = loops.stats(tile, scale=0.5)
-            stats = loops.stats(tile, scale=0.5, target=target)
+            stats = loops.stats(tile, scale=0.5, target=target, dot=True)
             work = tile.T.contiguous().T
             fused = loops.fused_(work, target, *coefficients, scale=0.5)
-            results.append([alone.row_max, alone.sum_exp, stats.target_u, fused.row_max])
+            results.append([alone.row_max, alone.sum_exp, stats.target_u, stats.dot])
+            results[-1] += [fused.row_max]
             results[-1] += [fused.sum_exp, fused.target_u, work]
     finally:
         torch.set_num_threads(before)
@@ -1209,12 +1289,6 @@ def _fp32_call(kind, x, W, t, options):
         return [out.logprob, out.entropy]
     if kind == "token_logprobs_vjp":
         return list(linear_ce.token_logprobs_vjp(xs, Ws, t, up_lp, up_h, options=options)[:2])
-    if kind == "token_objective":
-        loss = linear_ce.token_objective(
-            xs, Ws, t, obj.clipped_policy_gradient(0.2, 0.28) + obj.entropy_bonus(0.05),
-            entropy=True, options=options, advantage=up_lp, old_logprob=up_h - 5.0,
-        )  # fmt: skip
-        return [loss, *torch.autograd.grad(loss, [xs, Ws])]
     kwargs = {
         "cross_entropy": {},
         "cross_entropy smoothing": dict(label_smoothing=0.1),
@@ -1228,7 +1302,6 @@ def _fp32_call(kind, x, W, t, options):
 _FP32_TORCH_ONLY = [
     "token_logprobs",
     "token_logprobs_vjp",
-    "token_objective",
     "cross_entropy smoothing",
     "cross_entropy bias",
     "cross_entropy softcap",
@@ -1237,9 +1310,9 @@ _FP32_TORCH_ONLY = [
 
 @pytest.mark.parametrize("layout", ["class-major", "row-major"])
 @pytest.mark.parametrize("kind", _FP32_TORCH_ONLY)
-def test_fp32_calls_without_fused_loops_take_the_torch_operations(kind, layout, monkeypatch):
-    """fp32 calls whose head has no fused loops (token log-probs, their vjp, a token
-    objective) or whose options the loops cannot do (label smoothing, a bias, a softcap):
+def test_fp32_calls_the_loops_leave_take_the_torch_operations(kind, layout, monkeypatch):
+    """fp32 calls whose head keeps torch's operations on fp32 tiles (token log-probs and
+    their vjp) or whose options the loops cannot do (label smoothing, a bias, a softcap):
     with ``LINEAR_CE_NATIVE_ROWS=1`` too the torch operations, the same bits as with ``=0``;
     the plain cross-entropy call (the control) takes the loops."""
     _need_compiler()

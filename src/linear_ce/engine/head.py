@@ -145,9 +145,11 @@ class NativeGrad:
 class NativeRowsHead(Protocol):
     r"""A head whose row math the compiled row loops do on a half tile: its row sums are the
     target column's :math:`u_t` and, where ``native_targets`` asks, :math:`\sum_j e^{u_j} u_j`; its
-    gradient is a :class:`NativeGrad`. ``native`` says whether this call's options allow it."""
+    gradient is a :class:`NativeGrad`. ``native`` says whether this call's options allow it;
+    ``native_fp32`` whether its fp32 tiles take them too."""
 
     native: bool
+    native_fp32: bool
 
     def native_targets(self, rows: RowChunk, p: int) -> tuple[torch.Tensor, bool]:
         """The rows' local target columns ``(B,)`` (``-1`` where another shard holds the

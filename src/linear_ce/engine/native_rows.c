@@ -16,7 +16,7 @@
  *   fused_cm: fused for an fp32 class-major tile (a (V, B) array with class stride
  *          ld, read as its (B, V) transpose), vectorised over rows: two passes over the
  *          tile from memory (statistics with a running max, gradient) where torch's
- *          operations take eight. stats_cm: its statistics alone (no dot sum);
+ *          operations take eight. stats_cm: stats' statistics (the dot sum too);
  *          grad_cm: grad's gradient (the vocabulary pass's blocks of a known row's classes).
  *
  * Where e_j = 0 (a masked class, u_j = -inf) g_j is 0 (the limit, not 0 * inf), times a
@@ -227,16 +227,20 @@ FUSED(f32, float, to_f32)
  * for each, the rows' contiguous run, so the tile streams through the cache (a block of
  * rows walked class by class would touch a new page per class).
  *
- * cm_statistics: each row's max m and sum s of e^(v - m), w = r1 - r0 rows; part, me and
- * nan are scratch of w floats. Per block of 64 classes (in cache between its two reads):
- * its max, the sum so far rescaled when the block raises the max (s' = e^(m - m') s), then
- * the block's exponentials added: one read of the tile from memory, ~(64 + V/64) roundings
- * per sum. A NaN logit makes the row's max and sum NaN, as torch.amax and the sum of exp do. */
+ * cm_statistics: each row's max m, sum s of e^(v - m) and, where d is not NULL, sum d of
+ * e^(v - m) (v - m); w = r1 - r0 rows; part, dpart (with d), me and nan are scratch of w
+ * floats. Per block of 64 classes (in cache between its two reads): its max, the sums so
+ * far rescaled when the block raises the max m to m' (s' = r s, d' = r (d - (m' - m) s),
+ * r = e^(m - m')), then the block's terms added: one read of the tile from memory,
+ * ~(64 + V/64) roundings per sum. A NaN logit makes the row's max and sums NaN, as
+ * torch.amax and the sum of exp do. */
 static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, int64_t V,
-                          float scale, float* m, float* s, float* part, float* me, float* nan) {
+                          float scale, float* m, float* s, float* d, float* part, float* dpart,
+                          float* me, float* nan) {
     for (int64_t k = 0; k < w; ++k) {
         m[k] = -INFINITY;
         s[k] = nan[k] = 0.0f;
+        if (d) d[k] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < V; j0 += 64) {
         int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
@@ -249,6 +253,17 @@ static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, 
                 nan[k] = v != v ? 1.0f : nan[k];
             }
         }
+        if (d) {
+            /* Before s is rescaled: d's shift takes the old s. While s is 0 (no term yet,
+             * or every one underflowed) so is d, not r (0 - inf 0). */
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                int grown = part[k] > m[k];
+                float shifted = s[k] == 0.0f ? 0.0f
+                    : exp_nonpositive(m[k] - part[k]) * (d[k] - (part[k] - m[k]) * s[k]);
+                d[k] = grown ? shifted : d[k];
+                dpart[k] = 0.0f;
+            }
+        }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
             int grown = part[k] > m[k];
             s[k] = grown ? s[k] * exp_nonpositive(m[k] - part[k]) : s[k];
@@ -258,14 +273,30 @@ static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, 
             me[k] = m[k] == -INFINITY ? 0.0f : m[k];
             part[k] = 0.0f;
         }
-        for (int64_t j = j0; j < j1; ++j) {
-            const float* p = tile + j * ld + r0;
-            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - me[k]);
+        if (d) {
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* p = tile + j * ld + r0;
+                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                    float u = p[k] * scale - me[k];
+                    float e = exp_nonpositive(u);
+                    part[k] += e;
+                    dpart[k] += e * (u < -3.0e38f ? 0.0f : u);
+                }
+            }
+            _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) d[k] += dpart[k];
+        } else {
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* p = tile + j * ld + r0;
+                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - me[k]);
+            }
         }
         _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) s[k] += part[k];
     }
     for (int64_t k = 0; k < w; ++k)
-        if (nan[k] != 0.0f) m[k] = s[k] = NAN;
+        if (nan[k] != 0.0f) {
+            m[k] = s[k] = NAN;
+            if (d) d[k] = NAN;
+        }
 }
 
 int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,
@@ -276,7 +307,7 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
     if (!work) return -1;
     float *m = work, *s = work + w, *part = work + 2 * w, *a = work + 3 * w, *me = work + 4 * w;
     /* a holds cm_statistics' NaN flags until it holds the rows' coefficients. */
-    cm_statistics(tile, ld, r0, w, V, scale, m, s, part, me, a);
+    cm_statistics(tile, ld, r0, w, V, scale, m, s, NULL, part, NULL, me, a);
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k, t = target[i];
         float z = s[k];
@@ -301,22 +332,22 @@ int lce_fused_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
     return 0;
 }
 
-/* Statistics of the rows [r0, r1) of a class-major fp32 tile, as lce_stats_f32's (target_u
- * where not NULL), by cm_statistics. No dot sum: the caller never asks one of a class-major
- * tile (dot is unused; its argument keeps lce_stats_f32's signature). */
+/* Statistics of the rows [r0, r1) of a class-major fp32 tile, as lce_stats_f32's (dot and
+ * target_u where not NULL), by cm_statistics. */
 int lce_stats_cm_f32(const float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,
                      float scale, const int64_t* target, float* row_max, float* sum_exp,
                      float* dot, float* target_u) {
-    (void)dot;
     int64_t w = r1 - r0;
-    float* work = aligned_alloc(64, (size_t)((5 * w + 15) / 16) * 64);
+    float* work = aligned_alloc(64, (size_t)((7 * w + 15) / 16) * 64);
     if (!work) return -1;
-    float *m = work, *s = work + w;
-    cm_statistics(tile, ld, r0, w, V, scale, m, s, work + 2 * w, work + 3 * w, work + 4 * w);
+    float *m = work, *s = work + w, *d = dot ? work + 5 * w : NULL;
+    cm_statistics(tile, ld, r0, w, V, scale, m, s, d, work + 2 * w, work + 6 * w, work + 3 * w,
+                  work + 4 * w);
     for (int64_t k = 0; k < w; ++k) {
         int64_t i = r0 + k;
         row_max[i] = m[k];
         sum_exp[i] = s[k];
+        if (dot) dot[i] = d[k];
         if (target_u) target_u[i] = target[i] >= 0 ? tile[target[i] * ld + i] * scale - m[k] : 0.0f;
     }
     free(work);

@@ -151,9 +151,9 @@ class NativeRows:
     ) -> RowSums:
         """The row statistics of ``tile`` ``(B, V)`` (``v = x·scale``);
         ``target`` ``(B,)`` int64 local columns, ``-1`` where none. An fp32 tile may be
-        class-major (:meth:`class_major`) where no ``dot`` is asked."""
+        class-major (:meth:`class_major`)."""
         rows = tile.shape[0]
-        class_major = self.class_major(tile) and not dot
+        class_major = self.class_major(tile)
         if not class_major:
             self._check(tile)
         out = torch.empty((4, rows), dtype=torch.float32)

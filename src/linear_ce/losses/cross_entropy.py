@@ -225,8 +225,8 @@ class CrossEntropyHead:
         self.lse = torch.zeros(shape, dtype=acc, device=terms.A.device)
         # The compiled row loops form u_t, not the smoothing term's Σu or a soft target's Σqu.
         self.native = terms.target is not None and not self.smoothing
-        #: native_fused gives every row's gradient coefficients: fp32 tiles take the loops too.
-        self.native_fused_known = self.native
+        #: Its fp32 tiles take the loops too (see chunk_loop._native_rows).
+        self.native_fp32 = self.native
 
     def sums_before_exp(self, u: Tile, rows: RowChunk, p: int, out: torch.Tensor) -> None:
         # Σ_j a_ij u_ij: the target logit, the smoothing term, the soft target.

@@ -344,6 +344,8 @@ class SequenceHead(TokenLogprobHead):
 
     #: The objective needs every sequence of a chunk before any row's gradient is known.
     grads_after_chunk = True
+    #: Its outputs are the log-probabilities and entropy the loops form, on fp32 tiles too.
+    native_fp32 = True
 
     def __init__(
         self,

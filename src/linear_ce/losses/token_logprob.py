@@ -93,6 +93,9 @@ class TokenLogprobHead:
     """
 
     late_sums = 0
+    #: fp32 tiles keep torch's row math (see chunk_loop._native_rows): log-probabilities
+    #: the same bits with and without ``top1``/``topk``, which the loops do not form.
+    native_fp32 = False
 
     def __init__(
         self,

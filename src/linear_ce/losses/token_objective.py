@@ -45,6 +45,9 @@ class ObjectiveHead(TokenLogprobHead):
     tokens before they reach it. ``grad_mode``: the call runs with autograd;
     ``differentiate``: a gradient is wanted."""
 
+    #: Its outputs are the log-probabilities and entropy the loops form, on fp32 tiles too.
+    native_fp32 = True
+
     def __init__(
         self, frame: HeadFrame, objective: TokenObjective, *, grad_mode: bool, differentiate: bool
     ) -> None:

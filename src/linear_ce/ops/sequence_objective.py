@@ -31,7 +31,14 @@ from torch.autograd.function import once_differentiable
 
 from linear_ce.checks.call import Call
 from linear_ce.engine.capability import HALF_DTYPES
-from linear_ce.engine.chunk_loop import Gradients, Needs, run_chunks, run_head, tiles_for
+from linear_ce.engine.chunk_loop import (
+    Gradients,
+    Needs,
+    fp32_tile_loops,
+    run_chunks,
+    run_head,
+    tiles_for,
+)
 from linear_ce.engine.gemm import NativeHalf
 from linear_ce.engine.head import HeadFrame
 from linear_ce.engine.machine import STEP_ROWS_ENV, memory_budget
@@ -184,7 +191,9 @@ def _small_half_tile(input: torch.Tensor, spec: SequenceSpec, plan: Plan) -> Pla
 def _fused(input, weight, bias, spec: SequenceSpec, evaluation, acc) -> Gradients | None:
     """The three-GEMM path, or ``None`` when a group does not fit a chunk."""
     call, layout = spec.call, spec.layout
-    tiles = tiles_for(spec.entropy, call.transform, any(spec.needs))
+    # A SequenceHead's fp32 tiles take the compiled row loops where the call allows them.
+    native = fp32_tile_loops(input, spec.options, call.transform, spec.vocab, bias)
+    tiles = tiles_for(spec.entropy, call.transform, any(spec.needs), native=native)
     share = _share(input, acc)
     plan = _plan(input, spec, tiles, share=share)
     longest = layout.max_group_tokens
