@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ce",
         help="what is computed: 'ce' (the loss; every shape and the sweep), 'logprobs' "
         "(per-token log-probabilities and entropy with upstream gradients on both) and "
-        "'objective' (a clipped policy-gradient step), 'divergence' (distillation: forward "
+        "'objective' (a clipped policy-gradient step with an entropy bonus), 'divergence' (distillation: forward "
         "KL to a teacher head of the same shape, against a four-GEMM floor), 'sparse' "
         "(distillation from a stored teacher's top-64, against the three-GEMM floor), 'dpo' "
         "(a DPO step on pairs of 256-token sequences; its rows are named with --variants), "

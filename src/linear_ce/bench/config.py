@@ -38,7 +38,7 @@ _SHORT = {
 
 #: The heads a point can measure: the cross-entropy loss; per-token log-probabilities and
 #: entropy (:func:`linear_ce.token_logprobs`) with upstream gradients on both; a PPO/GRPO
-#: clipped policy-gradient step (:func:`linear_ce.token_objective`); distillation
+#: clipped policy-gradient step with an entropy bonus (:func:`linear_ce.token_objective`); distillation
 #: (:func:`linear_ce.linear_divergence`, a teacher head of the same shape); a DPO step
 #: (:func:`linear_ce.sequence_objective`, pairs of 256-token sequences); sparse distillation
 #: from a stored teacher's top-64 (:func:`linear_ce.sparse_divergence`).

@@ -172,6 +172,10 @@ def _surrogate(logprob, old_logprob, advantage, weight):
     return (-torch.min(ratio * advantage, clipped * advantage) * weight).sum()
 
 
+#: The objective step's entropy bonus (PPO's; issue 31 measures "clip + entropy bonus").
+_ENTROPY_BONUS = 0.01
+
+
 def _objective(kind: str) -> Build:
     def build(x, w, t):
         side = _rl_side(t, torch.float32 if x.dtype in HALF_DTYPES else x.dtype)
@@ -180,15 +184,14 @@ def _objective(kind: str) -> Build:
             import linear_ce
 
             if kind == "linear_ce":
-                linear_ce.token_objective(
-                    x, w, t, linear_ce.objectives.clipped_policy_gradient(0.2, 0.2), **side
-                ).backward()
+                objectives = linear_ce.objectives
+                objective = objectives.clipped_policy_gradient(0.2, 0.2)
+                objective = objective + objectives.entropy_bonus(_ENTROPY_BONUS)
+                linear_ce.token_objective(x, w, t, objective, entropy=True, **side).backward()
                 return
-            if kind == "logprobs":
-                lp = linear_ce.token_logprobs(x, w, t).logprob
-            else:
-                lp, _ = _plain_logprobs(x, w, t)
-            _surrogate(lp, **side).backward()
+            lp, ent = (_linear_ce_logprobs if kind == "logprobs" else _plain_logprobs)(x, w, t)
+            bonus = (ent * side["weight"].to(ent.dtype)).sum()
+            (_surrogate(lp, **side) - _ENTROPY_BONUS * bonus).backward()
 
         return _dropping_gradients(call, x, w)
 
@@ -764,7 +767,7 @@ VARIANTS: dict[str, Variant] = {
             "train",
             _objective("plain"),
             _always,
-            "clipped policy gradient on log_softmax of the full logits",
+            "clipped policy gradient + entropy bonus on log_softmax of the full logits",
             ("objective",),
         ),
         Variant(
@@ -780,7 +783,7 @@ VARIANTS: dict[str, Variant] = {
             "train",
             _objective("linear_ce"),
             _always,
-            "linear_ce.token_objective(clipped_policy_gradient) (3 GEMMs)",
+            "linear_ce.token_objective(clipped_policy_gradient + entropy_bonus) (3 GEMMs)",
             ("objective",),
         ),
         Variant(

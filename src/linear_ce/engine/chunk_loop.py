@@ -39,6 +39,12 @@ output position), a half input's gradient is written per chunk in the input dtyp
 of summed in an ``(N, F)`` ``acc_dtype`` buffer (bf16 DPO at N=2048, F=1024: 8 MiB, 0.12×
 the gradients' bytes): each row's value is the same one rounding of the same fp32 value.
 
+Where the head and the call allow them (``_native_rows``), the row math after the logits
+GEMM runs in the compiled row loops of :mod:`linear_ce.engine.native_rows`: the statistics
+in one visit of each row, the gradient written over the tile in another (or both in one,
+``native_fused``), on a half tile and, for the heads that say so (``native_fp32``), on an
+fp32 tile, where the plan then holds one tile (:func:`tiles_for`).
+
 A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
 transformed by its own transform, shifted by their row max over every shard

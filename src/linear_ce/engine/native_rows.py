@@ -1,5 +1,6 @@
-r"""The row math of a half tile in compiled loops: one read of the tile for the row
-statistics, one read and one write for the gradient.
+r"""The row math of a logits tile in compiled loops: one read of the tile for the row
+statistics, one read and one write for the gradient (half tiles, and fp32 tiles in either
+layout: :mod:`linear_ce.engine.chunk_loop` says which calls take them).
 
 The chunk loop's torch operations on a chunk's logits (:mod:`linear_ce.engine.chunk_loop`)
 each pass over the whole tile: widen a step of rows to fp32, the transform, the row max,
