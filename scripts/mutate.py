@@ -727,7 +727,7 @@ _VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
         "vocab_pass",
         "the bias is not added to a block's logits",
         _VOCAB_PASS,
-        (("                if b_p is not None:\n                    s.add_(b_p[span])\n", ""),),
+        (("                    if b_p is not None:\n                        s.add_(b_p[span])\n", ""),),
         ("tests/test_token_logprobs.py", "-k", "matches_plain_expression"),
     ),
     Mutation(
@@ -1607,7 +1607,7 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "class-major dot sum: a block's terms not added",
         _NATIVE_C,
-        (("_Pragma(\"omp simd\") for (int64_t k = 0; k < w; ++k) d[k] += dpart[k];", ""),),
+        (('_Pragma("omp simd") for (int64_t k = 0; k < w; ++k) d[k] += dpart[k];', ""),),
         _NATIVE_TESTS,
     ),
     Mutation(
@@ -1639,6 +1639,34 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
                 "p[k] = e * (e == 0.0f ? ai[k] + bi[k] + mi[k] : ai[k]);",
             ),
         ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "half blocks of the vocabulary pass taken with a bias (its term never added)",
+        "src/linear_ce/engine/vocab_pass.py",
+        (("        and bias is None\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "half blocks of the vocabulary pass taken with a softcap",
+        "src/linear_ce/engine/vocab_pass.py",
+        (("        and transform.softcap is None\n", ""),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "half blocks without the transform's factor on the raw logits",
+        "src/linear_ce/losses/token_logprob.py",
+        (("classes, factor, scale=factor)", "classes, factor, scale=1.0)"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "the vocabulary pass never takes half blocks",
+        "src/linear_ce/losses/token_logprob.py",
+        (("    half_blocks = True\n", "    half_blocks = False\n"),),
         _NATIVE_TESTS,
     ),
     Mutation(

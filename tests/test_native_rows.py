@@ -1451,3 +1451,69 @@ def test_fp32_vocabulary_pass_both_paths(layout, flows, monkeypatch):
     assert rel_err(run(torch.float64)[0], exact[0]) <= 1e-12
     for mode, got in results.items():
         _check(got, exact, same, torch.float32, f"vocabulary pass {layout} {flows} {mode}")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("flows", ["both", "logprob", "entropy"])
+@pytest.mark.parametrize("case", ["plain", "scaled", "bias", "softcap"])
+def test_half_vocabulary_pass_both_paths(dtype, flows, case, monkeypatch):
+    """token_logprobs' backward on half inputs with native half GEMMs: under
+    LINEAR_CE_NATIVE_ROWS=1 the vocabulary pass takes half blocks (the loops' grad_ on
+    row-major tiles of the input dtype, the transform's factor applied by the loops), or,
+    with a bias or a softcap, fp32 blocks; under 0 torch's operations on fp32 blocks; both
+    against float64 at the house bound."""
+    if not native_half_gemm(dtype, CPU):
+        pytest.skip(f"this CPU has no native {dtype} GEMMs (no half blocks)")
+    _need_compiler()
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    x, W, t = _data(11, 300, 16, 700)
+    gen = torch.Generator().manual_seed(12)
+    up_lp, up_h = torch.randn(2, x.shape[0], generator=gen, dtype=torch.float64)
+    bias = torch.randn(700, generator=gen, dtype=torch.float64) / 4 if case == "bias" else None
+    transform = {
+        "plain": {}, "bias": {}, "scaled": dict(logit_scale=1.2, temperature=0.9),
+        "softcap": dict(softcap=5.0),
+    }[case]  # fmt: skip
+    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+
+    def loss_of(logprob, entropy, dt):
+        loss = 0.0
+        if flows != "entropy":
+            loss = loss + (logprob * up_lp.to(dt)).sum()
+        if flows != "logprob":
+            loss = loss + (entropy * up_h.to(dt)).sum()
+        return loss
+
+    def run():
+        xs, Ws = _leaves((x, W), dtype)
+        b = None if bias is None else bias.to(dtype)
+        out = linear_ce.token_logprobs(
+            xs, Ws, t, entropy=True, linear_bias=b, options=options, **transform
+        )
+        return list(torch.autograd.grad(loss_of(out.logprob, out.entropy, dtype), [xs, Ws]))
+
+    def plain(dt):
+        xs, Ws = _leaves((x, W), dt)
+        ids = torch.zeros_like(t)
+        b = None if bias is None else bias.to(dt)
+        lp, ent, _ = seqref.token_terms(xs, Ws, b, t, ids, **transform)
+        return list(torch.autograd.grad(loss_of(lp, ent, dt), [xs, Ws]))
+
+    calls = _counting(monkeypatch)
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV, mode)
+        calls.update(stats=0, grad=0, fused=0, tiles=set())
+        results[mode] = run()
+        tiles = calls.pop("tiles")
+        if mode == "0":
+            assert calls == {"stats": 0, "grad": 0, "fused": 0}, calls
+        else:
+            assert calls["grad"] > 0, calls
+            # A bias or a softcap keeps the forward on torch's operations, the blocks fp32.
+            fp32_blocks = case in ("bias", "softcap")
+            assert tiles == ({torch.float32} if fp32_blocks else {dtype}), tiles
+    exact, same = plain(torch.float64), plain(dtype)
+    for mode, got in results.items():
+        # 4 eps: the entropy's gradient (as test_token_logprobs_both_paths).
+        _check(got, exact, same, dtype, f"half vocabulary pass {case} {flows} {mode}", floor=4)

@@ -182,6 +182,15 @@ class KnownStatsHead(Protocol):
     #: ``(N, P)`` bool: the rows (and positions) that carry an output; the others are skipped.
     valid: torch.Tensor
 
+    #: Whether :meth:`grad_half_block` takes half blocks (:mod:`linear_ce.engine.vocab_pass`).
+    half_blocks: bool
+
     def grad_block(self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float) -> None:
         """Overwrite ``s`` ``(B, C)``, the transformed logits of ``rows`` at position ``p``
         for the local classes ``classes``, with ``factor · ∂L/∂s``."""
+
+    def grad_half_block(
+        self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float
+    ) -> None:
+        """As :meth:`grad_block` for a row-major half tile ``s`` of raw logits (no bias, no
+        softcap: ``s·factor`` are the transformed ones), its gradient rounded once."""

@@ -24,6 +24,14 @@ The tile is laid out as the plan's GEMM backend's logits buffer: class-major on 
 row-major under CUDA's ``out_dtype`` GEMM, or as ``LINEAR_CE_TILE_LAYOUT`` forces it
 (:mod:`linear_ce.engine.machine`; ``row-major`` runs CUDA's layout, each block's and group's
 tile a dense view of one flat buffer, on a CPU).
+
+With native half GEMMs on a CPU (:class:`~linear_ce.engine.gemm.NativeHalf`), no bias and no
+softcap, a head that takes them (``half_blocks``) gets *half blocks*: the logits GEMM writes
+the block's logits in the input dtype (the rounding the widened fp32 tile held anyway) into a
+row-major tile, the compiled row loops (:mod:`linear_ce.engine.native_rows`) apply the
+transform's factor and write the gradient over it, rounded once to the input dtype (as the
+fp32 tile's gradient was, to become the GEMMs' operand), and the tile is the gradient GEMMs'
+operand: no widening copy, no narrowing copy, half the bytes for the loops.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from linear_ce.engine.chunk_loop import (
     tiles_for,
     without_autocast,
 )
+from linear_ce.engine.gemm import NativeHalf
 from linear_ce.engine.head import KnownStatsHead
+from linear_ce.engine.native_rows import native_rows
 from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.transform import LogitTransform
@@ -97,8 +107,9 @@ def run_vocab_pass(
     groups = row_chunks(head.valid, group, device)
     # Flat storage, viewed per block in the backend's tile layout, so the last (narrower)
     # block and group get dense tiles too.
-    class_major = gemm.logits_buffer(2, 3, acc, device).stride(0) == 1
-    tile_store = torch.empty(group * block, dtype=acc, device=device)
+    half = _half_blocks(input, plan, head, transform, bias)
+    class_major = not half and gemm.logits_buffer(2, 3, acc, device).stride(0) == 1
+    tile_store = torch.empty(group * block, dtype=plan.input_dtype if half else acc, device=device)
     sech2_store = torch.empty_like(tile_store) if transform.softcap is not None else None
     x_rows_buf, gx_rows_buf = gather_buffers(groups, group, input, acc, grad_input)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
@@ -128,11 +139,15 @@ def run_vocab_pass(
                 x_op = gemm.operand(rows_of(input, group_rows, x_rows_buf))
                 s = _tile(tile_store, n, width, class_major)
                 sech2 = None if sech2_store is None else _tile(sech2_store, n, width, class_major)
-                gemm.logits(s, x_op, w_op)
-                if b_p is not None:
-                    s.add_(b_p[span])
-                transform.apply_(s, sech2)
-                head.grad_block(s, group_rows, p, span, transform.factor)
+                if half:
+                    gemm.half_logits(s, x_op, w_op)
+                    head.grad_half_block(s, group_rows, p, span, transform.factor)
+                else:
+                    gemm.logits(s, x_op, w_op)
+                    if b_p is not None:
+                        s.add_(b_p[span])
+                    transform.apply_(s, sech2)
+                    head.grad_block(s, group_rows, p, span, transform.factor)
                 if sech2 is not None:
                     s.mul_(sech2)
                 if grad_bias:
@@ -152,6 +167,26 @@ def run_vocab_pass(
         input=None if grad_x is None else grad_x.to(out_dtype),
         weight=grad_w,
         bias=None if grad_b is None else grad_b.to(out_dtype),
+    )
+
+
+def _half_blocks(
+    input: torch.Tensor,
+    plan: Plan,
+    head: KnownStatsHead,
+    transform: LogitTransform,
+    bias: torch.Tensor | None,
+) -> bool:
+    """Whether the pass takes half blocks (see the module doc): native half GEMMs on a CPU,
+    no bias and no softcap (their terms would round in the half tile), a head that takes
+    them, and the compiled row loops for the input dtype."""
+    return (
+        isinstance(plan.gemm, NativeHalf)
+        and input.device.type == "cpu"
+        and bias is None
+        and transform.softcap is None
+        and getattr(head, "half_blocks", False)
+        and native_rows(plan.input_dtype) is not None
     )
 
 

@@ -333,6 +333,9 @@ class TokenLogprobGradient:
         self.grad_logprob, self.grad_entropy = grad_logprob, grad_entropy
         self._piece: torch.Tensor | None = None
 
+    #: Its blocks may be half tiles of raw logits (the vocabulary pass's half blocks).
+    half_blocks = True
+
     def grad_block(self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float) -> None:
         dtype = s.dtype
         loops = native_rows(dtype) if dtype == torch.float32 and s.device.type == "cpu" else None
@@ -376,27 +379,43 @@ class TokenLogprobGradient:
             hit = ((local >= 0) & (local < s.shape[1])).nonzero()[:, 0]
             s.index_put_((hit, local[hit]), g[hit], accumulate=True)
 
+    def grad_half_block(
+        self, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float
+    ) -> None:
+        self._grad_block_loops(native_rows(s.dtype), s, rows, p, classes, factor, scale=factor)
+
     def _grad_block_loops(
-        self, loops: NativeRows, s: Tile, rows: RowChunk, p: int, classes: slice, factor: float
+        self,
+        loops: NativeRows,
+        s: Tile,
+        rows: RowChunk,
+        p: int,
+        classes: slice,
+        factor: float,
+        scale: float = 1.0,
     ) -> None:
         """:meth:`grad_block` by the compiled row loops (:mod:`linear_ce.engine.native_rows`):
         :math:`e^{u}(a + b(u - \\mu)) + \\gamma[j = t]` with :math:`a = -g/Z`,
-        :math:`b = -h/Z`, :math:`\\gamma = g`, one visit of each row of the block."""
+        :math:`b = -h/Z`, :math:`\\gamma = g`, one visit of each row of the block; ``s``
+        holds the logits over ``scale`` (a half block's raw logits: ``scale`` is the
+        transform's factor)."""
         stats = self.row_stats[rows, p]
+        acc = stats.dtype
         z = stats[:, 1].exp()
         n = stats.shape[0]
         g = (
-            torch.zeros(n, dtype=s.dtype, device=s.device)
+            torch.zeros(n, dtype=acc, device=s.device)
             if self.grad_logprob is None
-            else self.grad_logprob[rows, p].to(s.dtype) * factor
+            else self.grad_logprob[rows, p].to(acc) * factor
         )
-        h = None if self.grad_entropy is None else self.grad_entropy[rows, p].to(s.dtype) * factor
+        h = None if self.grad_entropy is None else self.grad_entropy[rows, p].to(acc) * factor
         local = self.target[rows, p] - self.start - classes.start
         owned = (local >= 0) & (local < s.shape[1])
         loops.grad_(
             s,
             stats[:, 0],
             -g / z,
+            scale=scale,
             b=None if h is None else -h / z,
             mu=None if h is None else stats[:, 2],
             target=torch.where(owned, local, -1),
