@@ -1664,6 +1664,13 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
+        "vocabulary pass: each row group's weight gradient written over the last's",
+        "src/linear_ce/engine/vocab_pass.py",
+        (("direct = len(groups[p]) == 1 and", "direct = True and"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
         "the vocabulary pass never takes half blocks",
         "src/linear_ce/losses/token_logprob.py",
         (("    half_blocks = True\n", "    half_blocks = False\n"),),
