@@ -727,7 +727,12 @@ _VOCAB_PASS_MUTATIONS: tuple[Mutation, ...] = (
         "vocab_pass",
         "the bias is not added to a block's logits",
         _VOCAB_PASS,
-        (("                    if b_p is not None:\n                        s.add_(b_p[span])\n", ""),),
+        (
+            (
+                "                    if b_p is not None:\n                        s.add_(b_p[span])\n",
+                "",
+            ),
+        ),
         ("tests/test_token_logprobs.py", "-k", "matches_plain_expression"),
     ),
     Mutation(
@@ -1167,6 +1172,18 @@ _MACHINE = "src/linear_ce/engine/machine.py"
 _MACHINE_PLAN: tuple[Mutation, ...] = (
     Mutation(
         "machine_plan",
+        "LINEAR_CE_CHUNK_ROWS ignored where the plan keeps the longest chunks",
+        "src/linear_ce/engine/plan.py",
+        (
+            (
+                "keep_longest = (half_cpu or longest) and tuning.forced_rows() is None",
+                "keep_longest = half_cpu or longest",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "forced_rows"),
+    ),
+    Mutation(
+        "machine_plan",
         "chunk rows: the largest candidate within tolerance, not the smallest",
         _MACHINE,
         (
@@ -1282,8 +1299,8 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         "src/linear_ce/engine/plan.py",
         (
             (
-                "pick = None if half_cpu or longest else tuning.rows",
-                "pick = None if half_cpu else tuning.rows",
+                "keep_longest = (half_cpu or longest) and tuning.forced_rows() is None",
+                "keep_longest = half_cpu and tuning.forced_rows() is None",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "companion_loop"),

@@ -94,6 +94,26 @@ def _fail(why):
     return fail
 
 
+@pytest.mark.parametrize("kind", ["half", "companion"])
+def test_forced_rows_where_the_plan_keeps_the_longest(kind, monkeypatch):
+    """Half inputs on a CPU and a companion's loop keep the budget's longest chunks, not the
+    machine's choice; ``LINEAR_CE_CHUNK_ROWS`` still forces theirs (at most the budget's),
+    not ignored in silence."""
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    dtype = torch.bfloat16 if kind == "half" else torch.float32
+    options = LinearCrossEntropyOptions()
+
+    def plan():
+        return make_plan(4000, 64, 5000, dtype, CPU, options, longest=kind == "companion")
+
+    longest = plan().rows_per_chunk
+    assert longest > 64, longest
+    monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "64")
+    assert plan().rows_per_chunk == 64
+    monkeypatch.setenv(machine.CHUNK_ROWS_ENV, str(10 * longest))
+    assert plan().rows_per_chunk == longest
+
+
 def test_forced_rows_and_layout(monkeypatch):
     monkeypatch.setenv(machine.MEASURE_ENV, "0")
     monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "128")

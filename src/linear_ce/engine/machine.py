@@ -826,6 +826,10 @@ class Tuning:
             return cap
         return limit if chosen == candidates[-1] else chosen
 
+    def forced_rows(self) -> int | None:
+        """The rows per chunk ``LINEAR_CE_CHUNK_ROWS`` forces, else ``None``."""
+        return _forced_rows()
+
     def forced_class_major(self) -> bool | None:
         """The layout ``LINEAR_CE_TILE_LAYOUT`` forces (``True``: class-major), else
         ``None``: the vocabulary pass, whose layout is not measured, follows it too."""

@@ -443,8 +443,10 @@ def make_plan(
     else:
         # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
         tile_dtype, tile_count = (input_dtype, 1) if half else (acc_dtype, tiles)
-        # Half inputs on a CPU keep the budget's longest chunks (see the docstring).
-        pick = None if half_cpu or longest else tuning.rows
+        # Half inputs on a CPU keep the budget's longest chunks (see the docstring), unless
+        # LINEAR_CE_CHUNK_ROWS forces them (tuning.rows applies it, at most the budget's).
+        keep_longest = (half_cpu or longest) and tuning.forced_rows() is None
+        pick = None if keep_longest else tuning.rows
 
         def chunk_rows(share: float) -> int:
             return choose_chunk_rows(
