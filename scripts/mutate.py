@@ -1683,7 +1683,7 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "vocabulary pass: each row group's weight gradient written over the last's",
         "src/linear_ce/engine/vocab_pass.py",
-        (("direct = len(groups[p]) == 1 and", "direct = True and"),),
+        (("direct = [len(g) == 1 and", "direct = [True and"),),
         _NATIVE_TESTS,
     ),
     Mutation(

@@ -1399,6 +1399,17 @@ def test_class_major_grad_against_float64(rows, classes, targets, with_b, seed):
     assert buffer[:, rows:].isnan().all()
 
 
+def _logprob_entropy_loss(logprob, entropy, up_lp, up_h, flows, dtype):
+    """Σ up_lp·log p + Σ up_h·H, the terms ``flows`` names (``both``, ``logprob``,
+    ``entropy``): the upstream gradients of token_logprobs' outputs."""
+    loss = 0.0
+    if flows != "entropy":
+        loss = loss + (logprob * up_lp.to(dtype)).sum()
+    if flows != "logprob":
+        loss = loss + (entropy * up_h.to(dtype)).sum()
+    return loss
+
+
 @pytest.mark.parametrize("layout", ["class-major", "row-major"])
 @pytest.mark.parametrize("flows", ["both", "logprob", "entropy"])
 def test_fp32_vocabulary_pass_both_paths(layout, flows, monkeypatch):
@@ -1414,12 +1425,7 @@ def test_fp32_vocabulary_pass_both_paths(layout, flows, monkeypatch):
     options = LinearCrossEntropyOptions(batch_chunk_size=64)
 
     def loss_of(logprob, entropy, dtype):
-        loss = 0.0
-        if flows != "entropy":
-            loss = loss + (logprob * up_lp.to(dtype)).sum()
-        if flows != "logprob":
-            loss = loss + (entropy * up_h.to(dtype)).sum()
-        return loss
+        return _logprob_entropy_loss(logprob, entropy, up_lp, up_h, flows, dtype)
 
     def run(dtype):
         xs, Ws = _leaves((x, W), dtype)
@@ -1456,12 +1462,14 @@ def test_fp32_vocabulary_pass_both_paths(layout, flows, monkeypatch):
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("flows", ["both", "logprob", "entropy"])
 @pytest.mark.parametrize("case", ["plain", "scaled", "bias", "softcap"])
-def test_half_vocabulary_pass_both_paths(dtype, flows, case, monkeypatch):
+@pytest.mark.parametrize("group_rows", [64, 512], ids=["groups", "one-group"])
+def test_half_vocabulary_pass_both_paths(dtype, flows, case, group_rows, monkeypatch):
     """token_logprobs' backward on half inputs with native half GEMMs: under
     LINEAR_CE_NATIVE_ROWS=1 the vocabulary pass takes half blocks (the loops' grad_ on
     row-major tiles of the input dtype, the transform's factor applied by the loops), or,
     with a bias or a softcap, fp32 blocks; under 0 torch's operations on fp32 blocks; both
-    against float64 at the house bound."""
+    against float64 at the house bound. Rows in groups of 64 (each block's weight gradient
+    summed over groups) and in one group (written by its GEMM into the result)."""
     if not native_half_gemm(dtype, CPU):
         pytest.skip(f"this CPU has no native {dtype} GEMMs (no half blocks)")
     _need_compiler()
@@ -1474,15 +1482,10 @@ def test_half_vocabulary_pass_both_paths(dtype, flows, case, monkeypatch):
         "plain": {}, "bias": {}, "scaled": dict(logit_scale=1.2, temperature=0.9),
         "softcap": dict(softcap=5.0),
     }[case]  # fmt: skip
-    options = LinearCrossEntropyOptions(batch_chunk_size=64)
+    options = LinearCrossEntropyOptions(batch_chunk_size=group_rows)
 
     def loss_of(logprob, entropy, dt):
-        loss = 0.0
-        if flows != "entropy":
-            loss = loss + (logprob * up_lp.to(dt)).sum()
-        if flows != "logprob":
-            loss = loss + (entropy * up_h.to(dt)).sum()
-        return loss
+        return _logprob_entropy_loss(logprob, entropy, up_lp, up_h, flows, dt)
 
     def run():
         xs, Ws = _leaves((x, W), dtype)
@@ -1516,4 +1519,5 @@ def test_half_vocabulary_pass_both_paths(dtype, flows, case, monkeypatch):
     exact, same = plain(torch.float64), plain(dtype)
     for mode, got in results.items():
         # 4 eps: the entropy's gradient (as test_token_logprobs_both_paths).
-        _check(got, exact, same, dtype, f"half vocabulary pass {case} {flows} {mode}", floor=4)
+        what = f"half vocabulary pass {case} {flows} {group_rows} {mode}"
+        _check(got, exact, same, dtype, what, floor=4)

@@ -640,8 +640,9 @@ def _native_rows(
     (``native_fp32``: cross-entropy, ``token_objective``, ``sequence_objective``), whose
     gradient they write over the tile, so the plan holds one tile where torch's operations
     keep ``eᵘ`` in a second (:func:`tiles_for`): chunks twice as long, and fewer passes
-    over a tile that streams from memory (fp32 ``token_objective`` with entropy at N=2048,
-    F=1024, V=32768 on 2 Sapphire Rapids cores: 1.37× → 1.14× its three GEMMs).
+    over a tile that streams from memory (fp32 ``token_objective`` with an entropy bonus at
+    N=2048, F=1024, V=32768 on 2 Sapphire Rapids cores: 1.34× → 1.06× its three GEMMs,
+    interleaved in one process).
     ``token_logprobs`` keeps torch's operations on fp32 tiles, so that its outputs stay
     those of a call that asks for more statistics (``top1``, ``topk``) bit for bit."""
     if not (

@@ -116,10 +116,15 @@ def run_vocab_pass(
     grad_w = (
         torch.zeros(weight.shape, dtype=plan.input_dtype, device=device) if grad_weight else None
     )
-    # A half weight gradient is summed over groups in a block-sized fp32 scratch.
+    # One group of rows: a block's weight gradient is one GEMM, written into the result in
+    # its dtype where the GEMM's product has it (one rounding, as the sum's), not summed in
+    # the scratch and copied (bf16 token_logprobs at N=2048, F=1024, V=32768: three passes
+    # over a (C, F) block per block saved).
+    direct = [len(g) == 1 and gemm.operand_dtype == plan.input_dtype for g in groups]
+    # Otherwise a half weight gradient is summed over groups in a block-sized fp32 scratch.
     w_sum = (
         torch.empty((block, in_features), dtype=acc, device=device)
-        if grad_weight and acc != plan.input_dtype
+        if grad_weight and acc != plan.input_dtype and not all(direct)
         else None
     )
     grad_b = torch.zeros((classes, positions), dtype=acc, device=device) if grad_bias else None
@@ -132,12 +137,7 @@ def run_vocab_pass(
             span = slice(start, min(start + block, classes))
             width = span.stop - span.start
             w_op = gemm.weight_operand(weight[span, p, :])
-            # One group of rows: the block's weight gradient is one GEMM, written into the
-            # result in its dtype where the GEMM's product has it (one rounding, as the
-            # sum's), not summed in the scratch and copied (bf16 token_logprobs at N=2048,
-            # F=1024, V=32768: three passes over a (C, F) block per block saved).
-            direct = len(groups[p]) == 1 and gemm.operand_dtype == plan.input_dtype
-            if grad_weight and not direct:
+            if grad_weight and not direct[p]:
                 w_acc = grad_w[span, p] if w_sum is None else w_sum[:width].zero_()
             for group_rows in groups[p]:
                 n = chunk_size(group_rows)
@@ -162,11 +162,11 @@ def run_vocab_pass(
                 g_op = gemm.operand(s)
                 if grad_input:
                     add_grad_input_rows(gemm, grad_x, group_rows, g_op, w_op, gx_rows_buf)
-                if grad_weight and direct:
+                if grad_weight and direct[p]:
                     gemm.product_into(grad_w[span, p], g_op.T, x_op)
                 elif grad_weight:
                     gemm.add_product(w_acc, g_op.T, x_op)
-            if grad_weight and w_sum is not None and not direct:
+            if grad_weight and w_sum is not None and not direct[p]:
                 grad_w[span, p].copy_(w_acc)
 
     out_dtype = plan.input_dtype

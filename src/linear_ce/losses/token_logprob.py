@@ -396,9 +396,9 @@ class TokenLogprobGradient:
     ) -> None:
         """:meth:`grad_block` by the compiled row loops (:mod:`linear_ce.engine.native_rows`):
         :math:`e^{u}(a + b(u - \\mu)) + \\gamma[j = t]` with :math:`a = -g/Z`,
-        :math:`b = -h/Z`, :math:`\\gamma = g`, one visit of each row of the block; ``s``
-        holds the logits over ``scale`` (a half block's raw logits: ``scale`` is the
-        transform's factor)."""
+        :math:`b = -h/Z`, :math:`\\gamma = g`, one visit of each row of the block; the
+        transformed logits are ``s·scale`` (1 for a block the pass has transformed, the
+        transform's factor for a half block's raw logits)."""
         stats = self.row_stats[rows, p]
         acc = stats.dtype
         z = stats[:, 1].exp()
