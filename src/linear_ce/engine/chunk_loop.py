@@ -66,7 +66,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from linear_ce.engine.accumulate import weight_grad_sum
-from linear_ce.engine.gemm import Gemm
+from linear_ce.engine.gemm import Gemm, NativeHalf
 from linear_ce.engine.head import Head, RowStats
 from linear_ce.engine.native_rows import NativeRows, native_rows
 from linear_ce.engine.plan import Plan, acc_dtype_for, make_plan
@@ -264,22 +264,28 @@ def run_chunks(
     half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
     # The compiled row loops (see the module doc) where the head and the call allow them.
     native = _native_rows(input, acc, head, transform, vocab, bias, companion, half)
-    tile = None if native and half else buffer(step, local_classes, acc, device)
+    # ... and over the student's and the companion's tiles together (see the module doc).
+    pair = _native_pair(input, acc, head, transform, vocab, bias, companion, gemm)
+    loops = native is not None or pair is not None
+    if pair is not None:
+        tile = pair_buffer(gemm, chunk, local_classes, acc, device)
+    else:
+        tile = None if native and half else buffer(step, local_classes, acc, device)
     exp_tile = (
         torch.empty_like(tile)
-        if not native and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
+        if not loops and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
         else None
     )
     exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
     exp_block = (
         buffer(step, exp_step, acc, device)
-        if not native and head.keeps_logits and exp_tile is None
+        if not loops and head.keeps_logits and exp_tile is None
         else None
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = (
         torch.empty_like(tile)
-        if not native and want_grads and transform.softcap is not None
+        if not loops and want_grads and transform.softcap is not None
         else None
     )
     # The input gradient in its own dtype, written once per row (see the module doc).
@@ -306,12 +312,14 @@ def run_chunks(
     # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
     # floor at 16-row steps on 2 Sapphire Rapids cores).
     chunk_stats = half and not want_grads and not head.late_sums
-    kept = chunk if two_sweeps or chunk_stats or native else step
+    kept = chunk if two_sweeps or chunk_stats or loops else step
     stats_buf = torch.empty((kept, 1 + head.extra_sums), dtype=acc, device=device)
     late_buf = torch.empty((kept, head.late_sums), dtype=acc, device=device)
     max_buf = torch.empty((kept,), dtype=acc, device=device) if two_sweeps or chunk_stats else None
     if companion is not None:
-        other = _CompanionBuffers(companion, chunk, local_classes, acc, x_rows_buf is not None)
+        other = _CompanionBuffers(
+            companion, chunk, local_classes, acc, x_rows_buf is not None, pair and gemm
+        )
 
     grad_x = (
         torch.zeros((rows, in_features), dtype=input.dtype if narrow else acc, device=device)
@@ -392,6 +400,15 @@ def run_chunks(
                     continue
                 if scaled_rows:
                     factors = head.row_factors(chunk_rows, p)
+            elif pair is not None:
+                g = tile[:n]
+                _pair_logits(gemm, g, x_op, w_op)
+                teacher = other.raw_logits(chunk_rows, p, n)
+                if not _pair_chunk(
+                    pair, g, teacher, head, chunk_rows, p, transform, other, stats_buf[:n],
+                    want_grads,
+                ):  # fmt: skip
+                    continue
             elif half:
                 if tile is None:
                     tile = buffer(step, local_classes, acc, device)
@@ -484,14 +501,23 @@ def run_head(
     default): the gradients ``needs`` asks for (times ``grad_scale``), the input's summed
     over the vocabulary's shards."""
     rows, in_features = input.shape
-    plan = make_plan(
-        rows,
-        in_features,
-        vocab.plan_classes,
-        input.dtype,
-        input.device,
-        options,
-        tiles=tiles_for(
+
+    def plan_for(tiles: int) -> Plan:
+        return make_plan(
+            rows,
+            in_features,
+            vocab.plan_classes,
+            input.dtype,
+            input.device,
+            options,
+            tiles=tiles,
+            share=share,
+            half_tile=companion is None,
+            longest=companion is not None,
+        )
+
+    plan = plan_for(
+        tiles_for(
             head.keeps_logits,
             transform,
             any(needs),
@@ -499,11 +525,12 @@ def run_head(
             native=companion is None
             and _head_allows_loops(head, half=False)
             and fp32_tile_loops(input, options, transform, vocab, bias),
-        ),
-        share=share,
-        half_tile=companion is None,
-        longest=companion is not None,
+        )
     )
+    pair = _native_pair(input, plan.acc_dtype, head, transform, vocab, bias, companion, plan.gemm)
+    if pair is not None:
+        # The pair loops hold two tiles of their dtype (half: one fp32 tile's bytes).
+        plan = plan_for(2 * pair.dtype.itemsize // plan.acc_dtype.itemsize)
     grads = run_chunks(
         input,
         weight,
@@ -693,6 +720,88 @@ def _native_chunk(
     return True
 
 
+def _native_pair(
+    input: torch.Tensor,
+    acc: torch.dtype,
+    head: Head,
+    transform: LogitTransform,
+    vocab: Vocab,
+    bias: torch.Tensor | None,
+    companion: Companion | None,
+    gemm: Gemm,
+) -> NativeRows | None:
+    """The compiled pair loops (:meth:`NativeRows.pair_`) for a head that says so
+    (``native_pair``) and its companion, where both heads' math is theirs (fp32, no bias, no
+    softcap, one local shard) and both project in the same dtype and backend; on tiles in the
+    input dtype with native half GEMMs (the gradient GEMMs' operand, as a half tile), else
+    in fp32; else ``None``."""
+    if (
+        companion is None
+        or not getattr(head, "native_pair", False)
+        or not _call_allows_loops(input, acc, transform, vocab, bias, None)
+        or companion.bias is not None
+        or companion.transform.softcap is not None
+        or companion.input.dtype != input.dtype
+        or type(companion.gemm) is not type(gemm)
+        or companion.gemm.operand_dtype != gemm.operand_dtype
+    ):
+        return None
+    return native_rows(pair_tile_dtype(gemm, acc))
+
+
+def pair_tile_dtype(gemm: Gemm, acc: torch.dtype) -> torch.dtype:
+    """The dtype of the pair loops' tiles: the half operands of native half GEMMs, else
+    ``acc``."""
+    return gemm.operand_dtype if isinstance(gemm, NativeHalf) else acc
+
+
+def pair_buffer(
+    gemm: Gemm, rows: int, classes: int, acc: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A pair loops' tile: half tiles are row-major (their loops' layout); fp32 ones take the
+    layout of ``gemm``'s logits (its ``class_major``, the faster GEMM on this machine)."""
+    if isinstance(gemm, NativeHalf):
+        return gemm.half_tile_buffer(rows, classes, gemm.operand_dtype, device)
+    return gemm.logits_buffer(rows, classes, acc, device)
+
+
+def _pair_logits(gemm: Gemm, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """A pair tile's logits, in its dtype (:func:`pair_buffer`)."""
+    if isinstance(gemm, NativeHalf):
+        gemm.half_logits(out, x, weight)
+    else:
+        gemm.logits(out, x, weight)
+
+
+def _pair_chunk(
+    pair: NativeRows,
+    tile: torch.Tensor,
+    teacher: torch.Tensor,
+    head: Head,
+    rows: RowChunk,
+    p: int,
+    transform: LogitTransform,
+    other: _CompanionBuffers,
+    stats: torch.Tensor,
+    want_grads: bool,
+) -> bool:
+    """A chunk's row math by the pair loops on the raw logits of the student (``tile``) and
+    of its companion (``teacher``): ``rows_done``, and the gradient written over ``tile``
+    (``want_grads``). Returns whether a gradient was written."""
+    terms = head.pair_terms(rows, p, transform.factor if want_grads else None)
+    sums = pair.pair_(
+        tile,
+        teacher,
+        student_scale=transform.factor,
+        teacher_scale=other.companion.transform.factor,
+        **terms,
+    )
+    stats[:, 0] = sums.sum_exp
+    head.pair_sums(sums, stats[:, 1:])
+    head.rows_done(rows, p, _row_stats(sums.row_max, stats))
+    return want_grads
+
+
 def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:
     """The rows' statistics from their max and their summed ``(Σ eᵘ, head's sums)``."""
     sum_exp = stats[:, 0]
@@ -747,11 +856,21 @@ class _CompanionBuffers:
     """The companion's logits tile (and gathered-rows buffer), reused by every chunk."""
 
     def __init__(
-        self, companion: Companion, chunk: int, classes: int, acc: torch.dtype, gathered: bool
+        self,
+        companion: Companion,
+        chunk: int,
+        classes: int,
+        acc: torch.dtype,
+        gathered: bool,
+        pair: Gemm | None = None,
     ) -> None:
         self.companion = companion
         device = companion.input.device
-        self.tile = companion.gemm.logits_buffer(chunk, classes, acc, device)
+        if pair:
+            # The pair loops read both tiles in the student's layout (its ``pair`` GEMMs').
+            self.tile = pair_buffer(pair, chunk, classes, acc, device)
+        else:
+            self.tile = companion.gemm.logits_buffer(chunk, classes, acc, device)
         features = companion.input.shape[1]
         self.rows_buf = (
             torch.empty((chunk, features), dtype=companion.input.dtype, device=device)
@@ -760,13 +879,26 @@ class _CompanionBuffers:
         )
         self.position = -1
 
-    def logits(self, rows, p: int, n: int, vocab: Vocab) -> torch.Tensor:
-        """The companion's transformed logits of ``rows`` at ``p`` minus their row max."""
+    def _at(self, p: int) -> None:
+        """The companion's weight operand and bias at position ``p``."""
         c = self.companion
         if p != self.position:
             self.w_op = c.gemm.weight_operand(c.weight[:, p, :])
             self.b_p = None if c.bias is None else c.bias[:, p].to(self.tile.dtype)
             self.position = p
+
+    def raw_logits(self, rows, p: int, n: int) -> torch.Tensor:
+        """The companion's raw logits of ``rows`` at ``p`` in the pair loops' tile."""
+        c = self.companion
+        self._at(p)
+        t = self.tile[:n]
+        _pair_logits(c.gemm, t, c.gemm.operand(rows_of(c.input, rows, self.rows_buf)), self.w_op)
+        return t
+
+    def logits(self, rows, p: int, n: int, vocab: Vocab) -> torch.Tensor:
+        """The companion's transformed logits of ``rows`` at ``p`` minus their row max."""
+        c = self.companion
+        self._at(p)
         t = self.tile[:n]
         c.gemm.logits(t, c.gemm.operand(rows_of(c.input, rows, self.rows_buf)), self.w_op)
         if self.b_p is not None:

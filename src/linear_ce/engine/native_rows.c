@@ -395,3 +395,291 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
     free(g_t);
     return 0;
 }
+
+/* pair: the row math of a distillation loss on two row-major tiles of the same rows, the
+ * student's s (row stride lds, overwritten by its gradient) and the teacher's t (ldt):
+ *     u_j = s_j cs - m_s,  v_j = t_j ct - m_t,  Zs = sum e^u,  Zt = sum e^v,
+ *     forward (reverse == 0): C = sum e^v (v - u);  reverse: C = sum e^u (u - v),
+ *     where asked: E = sum e^u u (the student's entropy), Z1 = sum e^(power u) (power > 0:
+ *     the hard term's normaliser at temperature 1), u_t (target[i] >= 0).
+ * out is 8 rows of ld_out floats: m_s, Zs, m_t, Zt, C, E, Z1, u_t (E, Z1, u_t 0 unless asked).
+ * Where w is not NULL, the gradient with row weight w[i], hard weight h, T' = power or 1:
+ *     forward: g_j = w (1 + h') e^u_j / Zs - w e^v_j / Zt
+ *     reverse: g_j = w e^u_j (u_j - v_j - C/Zs + h') / Zs
+ *     each plus w h power e^(power u_j) / Z1 where power > 0, and -w h T' at the target,
+ * h' = h where the hard term has no own normaliser (target given, power == 0), else 0.
+ * A row is read from memory once: its max, then its sums (e^u and e^v kept in fp32
+ * scratch), then its gradient, while both rows sit in the core's cache. A factor e that
+ * is 0 makes its product 0 (a masked class: the limit, not 0 * inf). */
+#define PAIR(NAME, T, LOAD, STORE)                                                           \
+    int lce_pair_##NAME(T* s, int64_t lds, const T* t, int64_t ldt, int64_t r0, int64_t r1,  \
+                        int64_t V, float cs, float ct, int reverse, float power, int entropy, \
+                        const int64_t* target, float h, const float* w, float* out,          \
+                        int64_t ld_out) {                                                    \
+        float* eu = aligned_alloc(64, (size_t)((V + 15) / 16) * 64 * 2);                     \
+        if (!eu) return -1;                                                                  \
+        float* ev = eu + (V + 15) / 16 * 16;                                                 \
+        for (int64_t i = r0; i < r1; ++i) {                                                  \
+            T* srow = s + i * lds;                                                           \
+            const T* trow = t + i * ldt;                                                     \
+            float ms = -INFINITY, mt = -INFINITY;                                            \
+            int nan = 0;                                                                     \
+            _Pragma("omp simd reduction(max : ms, mt) reduction(| : nan)")                   \
+            for (int64_t j = 0; j < V; ++j) {                                                \
+                float a = LOAD(srow[j]) * cs, b = LOAD(trow[j]) * ct;                        \
+                ms = a > ms ? a : ms;                                                        \
+                mt = b > mt ? b : mt;                                                        \
+                nan |= (a != a) | (b != b);                                                  \
+            }                                                                                \
+            if (nan) ms = mt = NAN;                                                          \
+            float zs[LANES] = {0}, zt[LANES] = {0}, c[LANES] = {0}, d[LANES] = {0};          \
+            float z1[LANES] = {0};                                                           \
+            int64_t whole = V - V % LANES;                                                   \
+            for (int64_t j0 = 0; j0 < V; j0 += LANES) {                                      \
+                int64_t n = j0 < whole ? LANES : V - whole;                                  \
+                if (!reverse) {                                                              \
+                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
+                        float u = LOAD(srow[j0 + k]) * cs - ms;                              \
+                        float v = LOAD(trow[j0 + k]) * ct - mt;                              \
+                        float a = exp_nonpositive(u), b = exp_nonpositive(v);                \
+                        eu[j0 + k] = a;                                                      \
+                        ev[j0 + k] = b;                                                      \
+                        zs[k] += a;                                                          \
+                        zt[k] += b;                                                          \
+                        c[k] += b == 0.0f ? 0.0f : b * (v - u);                              \
+                    }                                                                        \
+                } else {                                                                     \
+                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
+                        float u = LOAD(srow[j0 + k]) * cs - ms;                              \
+                        float v = LOAD(trow[j0 + k]) * ct - mt;                              \
+                        float a = exp_nonpositive(u), b = exp_nonpositive(v);                \
+                        eu[j0 + k] = a;                                                      \
+                        ev[j0 + k] = b;                                                      \
+                        zs[k] += a;                                                          \
+                        zt[k] += b;                                                          \
+                        c[k] += a == 0.0f ? 0.0f : a * (u - v);                              \
+                    }                                                                        \
+                }                                                                            \
+                if (entropy) {                                                               \
+                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
+                        float a = eu[j0 + k];                                                \
+                        d[k] += a == 0.0f ? 0.0f : a * (LOAD(srow[j0 + k]) * cs - ms);       \
+                    }                                                                        \
+                }                                                                            \
+                if (power > 0.0f) {                                                          \
+                    _Pragma("omp simd") for (int k = 0; k < n; ++k)                          \
+                        z1[k] += exp_nonpositive(power * (LOAD(srow[j0 + k]) * cs - ms));    \
+                }                                                                            \
+            }                                                                                \
+            for (int width = LANES / 2; width > 0; width /= 2) {                             \
+                for (int k = 0; k < width; ++k) {                                            \
+                    zs[k] += zs[k + width];                                                  \
+                    zt[k] += zt[k + width];                                                  \
+                    c[k] += c[k + width];                                                    \
+                    d[k] += d[k + width];                                                    \
+                    z1[k] += z1[k + width];                                                  \
+                }                                                                            \
+            }                                                                                \
+            int64_t tg = target ? target[i] : -1;                                            \
+            float ut = tg >= 0 ? LOAD(srow[tg]) * cs - ms : 0.0f;                            \
+            float* o = out + i;                                                              \
+            o[0] = ms;                                                                       \
+            o[ld_out] = zs[0];                                                               \
+            o[2 * ld_out] = mt;                                                              \
+            o[3 * ld_out] = zt[0];                                                           \
+            o[4 * ld_out] = c[0];                                                            \
+            o[5 * ld_out] = d[0];                                                            \
+            o[6 * ld_out] = z1[0];                                                           \
+            o[7 * ld_out] = ut;                                                              \
+            if (!w) continue;                                                                \
+            float wi = w[i], soft = target && power == 0.0f ? h : 0.0f;                      \
+            float as = wi / zs[0], at = -wi / zt[0], mu = c[0] / zs[0];                      \
+            float az = power > 0.0f ? wi * h * power / z1[0] : 0.0f;                         \
+            float a1 = as * (1.0f + soft), gt = 0.0f;                                        \
+            if (tg >= 0) {                                                                   \
+                float a = eu[tg], vt = LOAD(trow[tg]) * ct - mt;                             \
+                gt = reverse ? (a == 0.0f ? 0.0f : as * a * (((ut - vt) - mu) + soft))       \
+                             : a1 * a + at * ev[tg];                                         \
+                if (power > 0.0f) gt += az * exp_nonpositive(power * ut);                    \
+            }                                                                                \
+            if (power > 0.0f) {                                                              \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                        \
+                    float u = LOAD(srow[j]) * cs - ms, a = eu[j];                            \
+                    float g = reverse ? (a == 0.0f ? 0.0f                                    \
+                                                   : as * a * ((u - (LOAD(trow[j]) * ct - mt)) - mu)) \
+                                      : a1 * a + at * ev[j];                                 \
+                    srow[j] = STORE(g + az * exp_nonpositive(power * u));                    \
+                }                                                                            \
+            } else if (!reverse) {                                                           \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j)                          \
+                    srow[j] = STORE(a1 * eu[j] + at * ev[j]);                                \
+            } else {                                                                         \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                        \
+                    float a = eu[j];                                                         \
+                    float dj = (LOAD(srow[j]) * cs - ms) - (LOAD(trow[j]) * ct - mt);        \
+                    srow[j] = STORE(a == 0.0f ? 0.0f : as * a * ((dj - mu) + soft));         \
+                }                                                                            \
+            }                                                                                \
+            if (tg >= 0) srow[tg] = STORE(gt - wi * h * (power > 0.0f ? power : 1.0f));     \
+        }                                                                                    \
+        free(eu);                                                                            \
+        return 0;                                                                            \
+    }
+
+PAIR(bf16, uint16_t, from_bf16, to_bf16)
+PAIR(f16, _Float16, from_f16, to_f16)
+PAIR(f32, float, from_f32, to_f32)
+
+/* pair_cm: pair's sums and gradient over the rows [r0, r1) of two class-major fp32 tiles
+ * (ld: their class strides), vectorised over rows as cm_statistics: per block of 64
+ * classes (in cache between its two reads) the blocks' maxima, the sums so far rescaled
+ * where a block raises a row's max (m_s to m_s' by ds, m_t to m_t' by dt; e.g. forward
+ * C' = r_t (C - (dt - ds) Zt), r_t = e^(-dt); reverse C' = r_s (C - (ds - dt) Zs);
+ * E' = r_s (E - ds Zs)), then the block's terms; then, where w is not NULL, the gradient
+ * in one more pass, e^u and e^v formed again. A max still -inf moves by 0 (its sums are
+ * 0, or the divergence's infinity, which stays). */
+int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t r0, int64_t r1,
+                    int64_t V, float cs, float ct, int reverse, float power, int entropy,
+                    const int64_t* target, float h, const float* w, float* out, int64_t ld_out) {
+    int64_t n = r1 - r0;
+    float* work = aligned_alloc(64, (size_t)((16 * n + 15) / 16) * 64);
+    if (!work) return -1;
+    float *ms = work, *zs = work + n, *mt = work + 2 * n, *zt = work + 3 * n, *c = work + 4 * n;
+    float *d = work + 5 * n, *z1 = work + 6 * n, *bs = work + 7 * n, *bt = work + 8 * n;
+    float *ps = work + 9 * n, *pt = work + 10 * n, *pc = work + 11 * n, *pd = work + 12 * n;
+    float *pz = work + 13 * n, *nan = work + 14 * n, *ut = work + 15 * n;
+    for (int64_t k = 0; k < n; ++k) {
+        ms[k] = mt[k] = -INFINITY;
+        zs[k] = zt[k] = c[k] = d[k] = z1[k] = nan[k] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < V; j0 += 64) {
+        int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
+        for (int64_t k = 0; k < n; ++k) bs[k] = bt[k] = -INFINITY;
+        for (int64_t j = j0; j < j1; ++j) {
+            const float *p = s + j * lds + r0, *q = t + j * ldt + r0;
+            _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                float a = p[k] * cs, b = q[k] * ct;
+                bs[k] = a > bs[k] ? a : bs[k];
+                bt[k] = b > bt[k] ? b : bt[k];
+                nan[k] = (a != a) | (b != b) ? 1.0f : nan[k];
+            }
+        }
+        _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+            float ns = bs[k] > ms[k] ? bs[k] : ms[k], nt = bt[k] > mt[k] ? bt[k] : mt[k];
+            float ds = ms[k] == -INFINITY ? 0.0f : ns - ms[k];
+            float dt = mt[k] == -INFINITY ? 0.0f : nt - mt[k];
+            float rs = exp_nonpositive(-ds), rt = exp_nonpositive(-dt);
+            if (reverse)
+                c[k] = zs[k] == 0.0f ? c[k] : rs * (c[k] - (ds - dt) * zs[k]);
+            else
+                c[k] = zt[k] == 0.0f ? c[k] : rt * (c[k] - (dt - ds) * zt[k]);
+            d[k] = zs[k] == 0.0f ? d[k] : rs * (d[k] - ds * zs[k]);
+            z1[k] *= exp_nonpositive(-power * ds);
+            zs[k] *= rs;
+            zt[k] *= rt;
+            ms[k] = ns;
+            mt[k] = nt;
+            /* While every class so far is -inf, so is this block's: its terms are 0. */
+            bs[k] = ns == -INFINITY ? 0.0f : ns;
+            bt[k] = nt == -INFINITY ? 0.0f : nt;
+            ps[k] = pt[k] = pc[k] = pd[k] = pz[k] = 0.0f;
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+            const float *p = s + j * lds + r0, *q = t + j * ldt + r0;
+            if (reverse) {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - bs[k], v = q[k] * ct - bt[k];
+                    float a = exp_nonpositive(u), b = exp_nonpositive(v);
+                    ps[k] += a;
+                    pt[k] += b;
+                    pc[k] += a == 0.0f ? 0.0f : a * (u - v);
+                }
+            } else {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - bs[k], v = q[k] * ct - bt[k];
+                    float a = exp_nonpositive(u), b = exp_nonpositive(v);
+                    ps[k] += a;
+                    pt[k] += b;
+                    pc[k] += b == 0.0f ? 0.0f : b * (v - u);
+                }
+            }
+            if (entropy) {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - bs[k], a = exp_nonpositive(u);
+                    pd[k] += a == 0.0f ? 0.0f : a * u;
+                }
+            }
+            if (power > 0.0f) {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k)
+                    pz[k] += exp_nonpositive(power * (p[k] * cs - bs[k]));
+            }
+        }
+        _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+            zs[k] += ps[k];
+            zt[k] += pt[k];
+            c[k] += pc[k];
+            d[k] += pd[k];
+            z1[k] += pz[k];
+        }
+    }
+    for (int64_t k = 0; k < n; ++k) {
+        int64_t i = r0 + k, tg = target ? target[i] : -1;
+        if (nan[k] != 0.0f) ms[k] = mt[k] = zs[k] = zt[k] = c[k] = d[k] = z1[k] = NAN;
+        ut[k] = tg >= 0 ? s[tg * lds + i] * cs - ms[k] : 0.0f;
+        float* o = out + i;
+        o[0] = ms[k];
+        o[ld_out] = zs[k];
+        o[2 * ld_out] = mt[k];
+        o[3 * ld_out] = zt[k];
+        o[4 * ld_out] = c[k];
+        o[5 * ld_out] = d[k];
+        o[6 * ld_out] = z1[k];
+        o[7 * ld_out] = ut[k];
+    }
+    if (w) {
+        /* Per row: bs the student's coefficient, bt the teacher's, pc mu, pz the hard
+         * normaliser's, pd the target's final value. */
+        float soft = target && power == 0.0f ? h : 0.0f;
+        for (int64_t k = 0; k < n; ++k) {
+            int64_t i = r0 + k, tg = target ? target[i] : -1;
+            float wi = w[i];
+            bs[k] = wi / zs[k] * (reverse ? 1.0f : 1.0f + soft);
+            bt[k] = -wi / zt[k];
+            pc[k] = c[k] / zs[k];
+            pz[k] = power > 0.0f ? wi * h * power / z1[k] : 0.0f;
+            if (tg < 0) continue;
+            float u = ut[k], v = t[tg * ldt + i] * ct - mt[k];
+            float a = exp_nonpositive(u), g;
+            if (reverse)
+                g = a == 0.0f ? 0.0f : wi / zs[k] * a * (((u - v) - pc[k]) + soft);
+            else
+                g = bs[k] * a + bt[k] * exp_nonpositive(v);
+            if (power > 0.0f) g += pz[k] * exp_nonpositive(power * u);
+            pd[k] = g - wi * h * (power > 0.0f ? power : 1.0f);
+        }
+        for (int64_t j = 0; j < V; ++j) {
+            float* p = s + j * lds + r0;
+            const float* q = t + j * ldt + r0;
+            if (reverse) {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k];
+                    float a = exp_nonpositive(u);
+                    float g = a == 0.0f ? 0.0f : bs[k] * a * (((u - v) - pc[k]) + soft);
+                    p[k] = power > 0.0f ? g + pz[k] * exp_nonpositive(power * u) : g;
+                }
+            } else {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k];
+                    float g = bs[k] * exp_nonpositive(u) + bt[k] * exp_nonpositive(v);
+                    p[k] = power > 0.0f ? g + pz[k] * exp_nonpositive(power * u) : g;
+                }
+            }
+        }
+        for (int64_t k = 0; k < n; ++k) {
+            int64_t tg = target ? target[r0 + k] : -1;
+            if (tg >= 0) s[tg * lds + r0 + k] = pd[k];
+        }
+    }
+    free(work);
+    return 0;
+}

@@ -61,7 +61,7 @@ import torch
 
 from linear_ce.engine.capability import cpu_flags
 
-__all__ = ["NATIVE_ROWS_ENV", "NativeRows", "RowSums", "native_mode", "native_rows"]
+__all__ = ["NATIVE_ROWS_ENV", "NativeRows", "PairSums", "RowSums", "native_mode", "native_rows"]
 
 NATIVE_ROWS_ENV = "LINEAR_CE_NATIVE_ROWS"
 _CACHE_DIR_ENV = "LINEAR_CE_CACHE_DIR"
@@ -79,6 +79,9 @@ _STATS_ARGS += [ctypes.c_float, ctypes.c_void_p]
 _STATS_ARGS += [ctypes.c_void_p] * 4
 _GRAD_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 6
 _FUSED_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 7
+_PAIR_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_int64] * 3
+_PAIR_ARGS += [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+_PAIR_ARGS += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
 
 def native_mode() -> str:
@@ -104,6 +107,22 @@ class RowSums:
     target_u: torch.Tensor | None
 
 
+@dataclasses.dataclass
+class PairSums:
+    """Per row, fp32 ``(B,)``, from :meth:`NativeRows.pair_`: the student's ``row_max`` and
+    ``sum_exp``, the teacher's, the divergence's ``cross`` sum, the student's ``dot``
+    (entropy), the hard term's ``z_1`` and ``target_u`` (0 where not asked)."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    teacher_max: torch.Tensor
+    teacher_sum_exp: torch.Tensor
+    cross: torch.Tensor
+    dot: torch.Tensor
+    z_1: torch.Tensor
+    target_u: torch.Tensor
+
+
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -120,8 +139,12 @@ class NativeRows:
         self._grad.argtypes, self._grad.restype = _GRAD_ARGS, None
         self._fused = getattr(library, f"lce_fused_{suffix}")
         self._fused.argtypes, self._fused.restype = _FUSED_ARGS, ctypes.c_int
-        self._fused_cm = self._stats_cm = self._grad_cm = None
+        self._pair = getattr(library, f"lce_pair_{suffix}")
+        self._pair.argtypes, self._pair.restype = _PAIR_ARGS, ctypes.c_int
+        self._fused_cm = self._stats_cm = self._grad_cm = self._pair_cm = None
         if dtype == torch.float32:
+            self._pair_cm = library.lce_pair_cm_f32
+            self._pair_cm.argtypes, self._pair_cm.restype = _PAIR_ARGS, ctypes.c_int
             self._fused_cm = library.lce_fused_cm_f32
             self._fused_cm.argtypes, self._fused_cm.restype = _FUSED_ARGS, ctypes.c_int
             self._stats_cm = library.lce_stats_cm_f32
@@ -217,6 +240,62 @@ class NativeRows:
         pointers = [_address(t) for t in (target, *vectors, *out)]
         _run(self._fused_cm if class_major else self._fused, tile, scale, pointers, class_major)
         return RowSums(out[0], out[1], None, out[2])
+
+    def pair_(
+        self,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        *,
+        student_scale: float,
+        teacher_scale: float,
+        reverse: bool,
+        entropy: bool = False,
+        target: torch.Tensor | None = None,
+        hard: float = 0.0,
+        power: float = 0.0,
+        weight: torch.Tensor | None = None,
+    ) -> PairSums:
+        r"""The row sums of a distillation loss over the row-major tiles ``student`` and
+        ``teacher`` ``(B, V)`` of the same rows (:math:`u = s\,c_s - m_s`,
+        :math:`v = t\,c_t - m_t`): forward KL's :math:`C = \sum e^v (v - u)`, or reverse
+        KL's :math:`C = \sum e^u (u - v)`; with ``entropy`` :math:`\sum e^u u`; with
+        ``power`` :math:`> 0` the hard term's :math:`\sum e^{\mathrm{power}\,u}`; with
+        ``target`` ``(B,)`` (int64 local columns, ``-1``: none) :math:`u_t`. With
+        ``weight`` ``(B,)`` the gradient of ``weight`` times the rows' divergence plus
+        ``hard`` times the student's cross-entropy against ``target`` (at temperature 1 by
+        ``power``, where given) is written over ``student`` in its dtype, rounded once.
+        fp32 tiles may both be class-major (:meth:`class_major`)."""
+        class_major = self.class_major(student)
+        if class_major != self.class_major(teacher) or teacher.shape != student.shape:
+            raise ValueError(
+                f"native_rows.pair_: the teacher's tile {tuple(teacher.shape)} with strides "
+                f"{teacher.stride()} is not laid out as the student's {tuple(student.shape)} "
+                f"with strides {student.stride()}"
+            )
+        if not class_major:
+            for tile in (student, teacher):
+                self._check(tile)
+        kernel = self._pair_cm if class_major else self._pair
+        axis = 1 if class_major else 0
+        rows, classes = student.shape
+        out = torch.zeros((8, rows), dtype=torch.float32)
+        target = _targets(target, rows)
+        weight = _rows_vector(weight, rows)
+        failed = []
+
+        def run(r0: int, r1: int) -> None:
+            code = kernel(
+                student.data_ptr(), student.stride(axis), teacher.data_ptr(), teacher.stride(axis),
+                r0, r1, classes, student_scale, teacher_scale, int(reverse), power,
+                int(entropy), _address(target), hard, _address(weight), out.data_ptr(), rows,
+            )  # fmt: skip
+            if code:
+                failed.append((r0, r1))
+
+        _split(rows, run, align=16 if class_major else 1)
+        if failed:
+            raise MemoryError(f"native_rows: no memory for the scratch of {rows} rows")
+        return PairSums(*out)
 
 
 def _run(kernel, tile: torch.Tensor, scale: float, pointers: list, class_major: bool) -> None:

@@ -41,6 +41,7 @@ import math
 import torch
 
 from linear_ce.engine.head import HeadFrame, RowStats, Tile
+from linear_ce.engine.native_rows import PairSums
 from linear_ce.engine.row_chunks import RowChunk
 
 __all__ = ["DistillationHead", "DistillationTerms", "DivergenceHead", "spans"]
@@ -193,6 +194,39 @@ class DivergenceHead(DistillationHead):
         self.late_sums = 2 if self.mode == "mixed" else 0
         self.name_sums([("z_t", True), ("cross", self.mode != "mixed"), ("eu", entropy)])
         self.entropy = frame.zeros() if entropy else None
+        #: Forward and reverse KL take the compiled pair loops where the call allows them
+        #: (:func:`~linear_ce.engine.chunk_loop.run_chunks`); the mixture's softplus terms
+        #: keep torch's operations.
+        self.native_pair = self.mode != "mixed"
+
+    def pair_terms(self, rows: RowChunk, p: int, factor: float | None) -> dict:
+        """The arguments of :meth:`~linear_ce.engine.native_rows.NativeRows.pair_` for
+        ``rows`` at ``p`` (``factor``: the gradient's, ``None``: no gradient)."""
+        target = None
+        if self.hard_on:
+            owned, column = self.frame.local_columns(self.target[rows, p])
+            target = torch.where(owned, column, -1)
+        weight = None if factor is None else self.row_weight[rows, p].float() * factor
+        return {
+            "reverse": self.mode == "reverse",
+            "entropy": self.entropy_on,
+            "target": target,
+            "hard": self.hard,
+            "power": self.temperature if self.own_z1 else 0.0,
+            "weight": weight,
+        }
+
+    def pair_sums(self, sums: PairSums, out: torch.Tensor) -> None:
+        """The head's row sums (:meth:`name_sums`) from the pair loops' ``sums``."""
+        named = {
+            "z_t": sums.teacher_sum_exp,
+            "cross": sums.cross,
+            "eu": sums.dot,
+            "picked": sums.target_u,
+            "z_1": sums.z_1,
+        }
+        for name, column in self.index.items():
+            out[:, column] = named[name]
 
     def companion_tile(self, t: Tile, rows: RowChunk, p: int) -> None:
         self.t = t
