@@ -586,18 +586,21 @@ def test_bad_inputs(change, message):
         linear_ce.linear_divergence(**_bad(**change))
 
 
+@pytest.mark.parametrize("native, tiles", [("0", 3), ("1", 2)])
 @pytest.mark.parametrize("share", [None, 0.9])
-def test_chunks_take_the_distillation_share(monkeypatch, share):
-    """The chunk rule lets a distillation call's logits tiles (student, teacher and the
-    student's exponentials: three) take up to ``DIVERGENCE_SHARE`` (0.48) of the student's
-    gradients' bytes, more than the cross-entropy's ``BUDGET_SHARE`` (docs/distillation.md);
-    the constant decides it (0.9 patched in: longer chunks). Fixed-rule plan, no override,
-    at a size where the budget, not the 128-row floor, sets the chunk."""
+def test_chunks_take_the_distillation_share(monkeypatch, share, native, tiles):
+    """The chunk rule lets a distillation call's logits tiles (student, teacher and, with
+    torch's operations, the student's exponentials: three; the compiled pair loops keep
+    two) take up to ``DIVERGENCE_SHARE`` (0.48) of the student's gradients' bytes, more than
+    the cross-entropy's ``BUDGET_SHARE`` (docs/distillation.md); the constant decides it
+    (0.9 patched in: longer chunks). Fixed-rule plan, no override, at a size where the
+    budget, not the 128-row floor, sets the chunk."""
     import linear_ce.engine.chunk_loop as chunk_loop
     import linear_ce.ops.divergence as ops_divergence
     from linear_ce.engine.plan import BUDGET_SHARE, DIVERGENCE_SHARE
 
     monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", native)
     for name in ("LINEAR_CE_MEMORY_BUDGET", "LINEAR_CE_CHUNK_ROWS"):
         monkeypatch.delenv(name, raising=False)
     if share is not None:
@@ -622,7 +625,7 @@ def test_chunks_take_the_distillation_share(monkeypatch, share):
     linear_ce.linear_divergence(xs, ws, xt, wt, t, beta=0.5).backward()
     (plan,) = plans
     grad_bytes = (n + v) * d * 4
-    tiles_bytes = 3 * plan.rows_per_chunk * v * 4
+    tiles_bytes = tiles * plan.rows_per_chunk * v * 4
     assert below * grad_bytes < tiles_bytes <= allowed * grad_bytes, plan.rows_per_chunk
 
 

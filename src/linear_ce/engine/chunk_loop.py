@@ -797,8 +797,10 @@ def _pair_chunk(
         **terms,
     )
     stats[:, 0] = sums.sum_exp
-    head.pair_sums(sums, stats[:, 1:])
-    head.rows_done(rows, p, _row_stats(sums.row_max, stats))
+    late = head.pair_sums(sums, stats[:, 1:])
+    row_stats = _row_stats(sums.row_max, stats)
+    row_stats.late = late
+    head.rows_done(rows, p, row_stats)
     return want_grads
 
 

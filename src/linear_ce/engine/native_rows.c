@@ -396,26 +396,64 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
     return 0;
 }
 
+/* log1p(y) for 0 <= y <= 1 (y = e^-|x| of a softplus): log(1 + y) by 2 atanh(f), f = (m - 1) /
+ * (m + 1) on 1 + y = 2^k m, m in [sqrt(1/2), sqrt(2)) (|f| < 0.172: six terms, < 1e-9), times
+ * y / ((1 + y) - 1), which restores the bits of y that 1 + y rounded off. */
+static inline float log1p_unit(float y) {
+    float x = 1.0f + y;
+    int big = x >= 1.41421356f;
+    float m = big ? 0.5f * x : x;
+    float f = (m - 1.0f) / (m + 1.0f), f2 = f * f;
+    float p = 1.0f / 11.0f;
+    p = p * f2 + 1.0f / 9.0f;
+    p = p * f2 + 1.0f / 7.0f;
+    p = p * f2 + 1.0f / 5.0f;
+    p = p * f2 + 1.0f / 3.0f;
+    p = p * f2 + 1.0f;
+    float log_x = (big ? 0.693147180559945f : 0.0f) + 2.0f * f * p;
+    float d = x - 1.0f;
+    return d == 0.0f ? y : log_x * (y / d);
+}
+
+/* The mixture's per-class terms from delta = log(beta q) - log((1 - beta) p) alone:
+ * g = log p - log r = -log(1 - beta) - softplus(delta) and
+ * hq = log q - log r = -log(beta) - softplus(-delta), each from its own small term
+ * (softplus(x) = max(x, 0) + log1p(e^-|x|)), not as a difference of logs. */
+static inline void mixture_terms(float delta, float log_beta, float log_rest, float* g,
+                                 float* hq) {
+    float l = log1p_unit(exp_nonpositive(-fabsf(delta)));
+    l = delta != delta ? delta : l;
+    *g = -((delta > 0.0f ? delta : 0.0f) + l + log_rest);
+    *hq = -((delta < 0.0f ? -delta : 0.0f) + l + log_beta);
+}
+
 /* pair: the row math of a distillation loss on two row-major tiles of the same rows, the
  * student's s (row stride lds, overwritten by its gradient) and the teacher's t (ldt):
  *     u_j = s_j cs - m_s,  v_j = t_j ct - m_t,  Zs = sum e^u,  Zt = sum e^v,
- *     forward (reverse == 0): C = sum e^v (v - u);  reverse: C = sum e^u (u - v),
+ *     beta = 0 (forward KL): C = sum e^v (v - u);  beta = 1 (reverse KL): C = sum e^u (u - v);
+ *     0 < beta < 1 (the mixture r = beta q + (1 - beta) p, once Zs and Zt are known):
+ *     C = sum e^u g,  C2 = sum e^v hq (mixture_terms, delta = v - u + log Zs - log Zt
+ *     + log(beta / (1 - beta))),
  *     where asked: E = sum e^u u (the student's entropy), Z1 = sum e^(power u) (power > 0:
  *     the hard term's normaliser at temperature 1), u_t (target[i] >= 0).
- * out is 8 rows of ld_out floats: m_s, Zs, m_t, Zt, C, E, Z1, u_t (E, Z1, u_t 0 unless asked).
+ * out is 9 rows of ld_out floats: m_s, Zs, m_t, Zt, C, E, Z1, u_t, C2 (0 where not formed).
  * Where w is not NULL, the gradient with row weight w[i], hard weight h, T' = power or 1:
  *     forward: g_j = w (1 + h') e^u_j / Zs - w e^v_j / Zt
  *     reverse: g_j = w e^u_j (u_j - v_j - C/Zs + h') / Zs
+ *     mixture: g_j = w e^u_j ((1 - beta)(g_j - C/Zs) + h') / Zs
  *     each plus w h power e^(power u_j) / Z1 where power > 0, and -w h T' at the target,
  * h' = h where the hard term has no own normaliser (target given, power == 0), else 0.
- * A row is read from memory once: its max, then its sums (e^u and e^v kept in fp32
- * scratch), then its gradient, while both rows sit in the core's cache. A factor e that
- * is 0 makes its product 0 (a masked class: the limit, not 0 * inf). */
+ * A row is read from memory once: its max, then its sums (e^u and e^v, or the mixture's g,
+ * kept in fp32 scratch), then its gradient, while both rows sit in the core's cache. A
+ * factor e that is 0 makes its product 0 (a masked class: the limit, not 0 * inf). */
 #define PAIR(NAME, T, LOAD, STORE)                                                           \
     int lce_pair_##NAME(T* s, int64_t lds, const T* t, int64_t ldt, int64_t r0, int64_t r1,  \
-                        int64_t V, float cs, float ct, int reverse, float power, int entropy, \
+                        int64_t V, float cs, float ct, float beta, float power, int entropy, \
                         const int64_t* target, float h, const float* w, float* out,          \
                         int64_t ld_out) {                                                    \
+        int mode = beta == 0.0f ? 0 : beta == 1.0f ? 1 : 2;                                  \
+        float log_beta = mode == 2 ? logf(beta) : 0.0f;                                      \
+        float log_rest = mode == 2 ? log1pf(-beta) : 0.0f;                                   \
         float* eu = aligned_alloc(64, (size_t)((V + 15) / 16) * 64 * 2);                     \
         if (!eu) return -1;                                                                  \
         float* ev = eu + (V + 15) / 16 * 16;                                                 \
@@ -433,32 +471,20 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
             }                                                                                \
             if (nan) ms = mt = NAN;                                                          \
             float zs[LANES] = {0}, zt[LANES] = {0}, c[LANES] = {0}, d[LANES] = {0};          \
-            float z1[LANES] = {0};                                                           \
+            float z1[LANES] = {0}, c2[LANES] = {0};                                          \
             int64_t whole = V - V % LANES;                                                   \
             for (int64_t j0 = 0; j0 < V; j0 += LANES) {                                      \
                 int64_t n = j0 < whole ? LANES : V - whole;                                  \
-                if (!reverse) {                                                              \
-                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
-                        float u = LOAD(srow[j0 + k]) * cs - ms;                              \
-                        float v = LOAD(trow[j0 + k]) * ct - mt;                              \
-                        float a = exp_nonpositive(u), b = exp_nonpositive(v);                \
-                        eu[j0 + k] = a;                                                      \
-                        ev[j0 + k] = b;                                                      \
-                        zs[k] += a;                                                          \
-                        zt[k] += b;                                                          \
-                        c[k] += b == 0.0f ? 0.0f : b * (v - u);                              \
-                    }                                                                        \
-                } else {                                                                     \
-                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
-                        float u = LOAD(srow[j0 + k]) * cs - ms;                              \
-                        float v = LOAD(trow[j0 + k]) * ct - mt;                              \
-                        float a = exp_nonpositive(u), b = exp_nonpositive(v);                \
-                        eu[j0 + k] = a;                                                      \
-                        ev[j0 + k] = b;                                                      \
-                        zs[k] += a;                                                          \
-                        zt[k] += b;                                                          \
-                        c[k] += a == 0.0f ? 0.0f : a * (u - v);                              \
-                    }                                                                        \
+                _Pragma("omp simd") for (int k = 0; k < n; ++k) {                            \
+                    float u = LOAD(srow[j0 + k]) * cs - ms;                                  \
+                    float v = LOAD(trow[j0 + k]) * ct - mt;                                  \
+                    float a = exp_nonpositive(u), b = exp_nonpositive(v);                    \
+                    eu[j0 + k] = a;                                                          \
+                    ev[j0 + k] = b;                                                          \
+                    zs[k] += a;                                                              \
+                    zt[k] += b;                                                              \
+                    if (mode == 0) c[k] += b == 0.0f ? 0.0f : b * (v - u);                   \
+                    if (mode == 1) c[k] += a == 0.0f ? 0.0f : a * (u - v);                   \
                 }                                                                            \
                 if (entropy) {                                                               \
                     _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
@@ -480,6 +506,28 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
                     z1[k] += z1[k + width];                                                  \
                 }                                                                            \
             }                                                                                \
+            if (mode == 2) {                                                                 \
+                /* ev <- g: the gradient needs g, the loss Σ e^v hq, formed here. */         \
+                float shift = logf(zs[0]) - logf(zt[0]) + log_beta - log_rest;               \
+                for (int64_t j0 = 0; j0 < V; j0 += LANES) {                                  \
+                    int64_t n = j0 < whole ? LANES : V - whole;                              \
+                    _Pragma("omp simd") for (int k = 0; k < n; ++k) {                        \
+                        float u = LOAD(srow[j0 + k]) * cs - ms;                              \
+                        float v = LOAD(trow[j0 + k]) * ct - mt;                              \
+                        float g, hq, a = eu[j0 + k], b = ev[j0 + k];                         \
+                        mixture_terms((v - u) + shift, log_beta, log_rest, &g, &hq);         \
+                        c[k] += a == 0.0f ? 0.0f : a * g;                                    \
+                        c2[k] += b == 0.0f ? 0.0f : b * hq;                                  \
+                        ev[j0 + k] = g;                                                      \
+                    }                                                                        \
+                }                                                                            \
+                for (int width = LANES / 2; width > 0; width /= 2) {                         \
+                    for (int k = 0; k < width; ++k) {                                        \
+                        c[k] += c[k + width];                                                \
+                        c2[k] += c2[k + width];                                              \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
             int64_t tg = target ? target[i] : -1;                                            \
             float ut = tg >= 0 ? LOAD(srow[tg]) * cs - ms : 0.0f;                            \
             float* o = out + i;                                                              \
@@ -491,33 +539,43 @@ int lce_grad_cm_f32(float* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, 
             o[5 * ld_out] = d[0];                                                            \
             o[6 * ld_out] = z1[0];                                                           \
             o[7 * ld_out] = ut;                                                              \
+            o[8 * ld_out] = c2[0];                                                           \
             if (!w) continue;                                                                \
             float wi = w[i], soft = target && power == 0.0f ? h : 0.0f;                      \
-            float as = wi / zs[0], at = -wi / zt[0], mu = c[0] / zs[0];                      \
+            float as = wi / zs[0], at = -wi / zt[0], mu = c[0] / zs[0], rest = 1.0f - beta;  \
             float az = power > 0.0f ? wi * h * power / z1[0] : 0.0f;                         \
             float a1 = as * (1.0f + soft), gt = 0.0f;                                        \
             if (tg >= 0) {                                                                   \
                 float a = eu[tg], vt = LOAD(trow[tg]) * ct - mt;                             \
-                gt = reverse ? (a == 0.0f ? 0.0f : as * a * (((ut - vt) - mu) + soft))       \
-                             : a1 * a + at * ev[tg];                                         \
+                gt = mode == 0   ? a1 * a + at * ev[tg]                                      \
+                     : a == 0.0f ? 0.0f                                                      \
+                     : mode == 1 ? as * a * (((ut - vt) - mu) + soft)                        \
+                                 : as * a * (rest * (ev[tg] - mu) + soft);                   \
                 if (power > 0.0f) gt += az * exp_nonpositive(power * ut);                    \
             }                                                                                \
             if (power > 0.0f) {                                                              \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                        \
                     float u = LOAD(srow[j]) * cs - ms, a = eu[j];                            \
-                    float g = reverse ? (a == 0.0f ? 0.0f                                    \
-                                                   : as * a * ((u - (LOAD(trow[j]) * ct - mt)) - mu)) \
-                                      : a1 * a + at * ev[j];                                 \
+                    float dj = u - (LOAD(trow[j]) * ct - mt);                                \
+                    float g = mode == 0   ? a1 * a + at * ev[j]                              \
+                              : a == 0.0f ? 0.0f                                             \
+                              : mode == 1 ? as * a * (dj - mu)                               \
+                                          : as * a * (rest * (ev[j] - mu));                  \
                     srow[j] = STORE(g + az * exp_nonpositive(power * u));                    \
                 }                                                                            \
-            } else if (!reverse) {                                                           \
+            } else if (mode == 0) {                                                          \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j)                          \
                     srow[j] = STORE(a1 * eu[j] + at * ev[j]);                                \
-            } else {                                                                         \
+            } else if (mode == 1) {                                                          \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                        \
                     float a = eu[j];                                                         \
                     float dj = (LOAD(srow[j]) * cs - ms) - (LOAD(trow[j]) * ct - mt);        \
                     srow[j] = STORE(a == 0.0f ? 0.0f : as * a * ((dj - mu) + soft));         \
+                }                                                                            \
+            } else {                                                                         \
+                _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                        \
+                    float a = eu[j];                                                         \
+                    srow[j] = STORE(a == 0.0f ? 0.0f : as * a * (rest * (ev[j] - mu) + soft)); \
                 }                                                                            \
             }                                                                                \
             if (tg >= 0) srow[tg] = STORE(gt - wi * h * (power > 0.0f ? power : 1.0f));     \
@@ -535,22 +593,27 @@ PAIR(f32, float, from_f32, to_f32)
  * classes (in cache between its two reads) the blocks' maxima, the sums so far rescaled
  * where a block raises a row's max (m_s to m_s' by ds, m_t to m_t' by dt; e.g. forward
  * C' = r_t (C - (dt - ds) Zt), r_t = e^(-dt); reverse C' = r_s (C - (ds - dt) Zs);
- * E' = r_s (E - ds Zs)), then the block's terms; then, where w is not NULL, the gradient
- * in one more pass, e^u and e^v formed again. A max still -inf moves by 0 (its sums are
- * 0, or the divergence's infinity, which stays). */
+ * E' = r_s (E - ds Zs)), then the block's terms; the mixture's C and C2 in one more pass
+ * (they need Zs and Zt); then, where w is not NULL, the gradient in one more pass, its
+ * terms formed again. A max still -inf moves by 0 (its sums are 0, or the divergence's
+ * infinity, which stays). */
 int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t r0, int64_t r1,
-                    int64_t V, float cs, float ct, int reverse, float power, int entropy,
+                    int64_t V, float cs, float ct, float beta, float power, int entropy,
                     const int64_t* target, float h, const float* w, float* out, int64_t ld_out) {
+    int mode = beta == 0.0f ? 0 : beta == 1.0f ? 1 : 2;
+    float log_beta = mode == 2 ? logf(beta) : 0.0f, log_rest = mode == 2 ? log1pf(-beta) : 0.0f;
+    float rest = 1.0f - beta;
     int64_t n = r1 - r0;
-    float* work = aligned_alloc(64, (size_t)((16 * n + 15) / 16) * 64);
+    float* work = aligned_alloc(64, (size_t)((18 * n + 15) / 16) * 64);
     if (!work) return -1;
     float *ms = work, *zs = work + n, *mt = work + 2 * n, *zt = work + 3 * n, *c = work + 4 * n;
     float *d = work + 5 * n, *z1 = work + 6 * n, *bs = work + 7 * n, *bt = work + 8 * n;
     float *ps = work + 9 * n, *pt = work + 10 * n, *pc = work + 11 * n, *pd = work + 12 * n;
-    float *pz = work + 13 * n, *nan = work + 14 * n, *ut = work + 15 * n;
+    float *pz = work + 13 * n, *nan = work + 14 * n, *ut = work + 15 * n, *c2 = work + 16 * n;
+    float* shift = work + 17 * n;
     for (int64_t k = 0; k < n; ++k) {
         ms[k] = mt[k] = -INFINITY;
-        zs[k] = zt[k] = c[k] = d[k] = z1[k] = nan[k] = 0.0f;
+        zs[k] = zt[k] = c[k] = d[k] = z1[k] = nan[k] = c2[k] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < V; j0 += 64) {
         int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
@@ -569,9 +632,9 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
             float ds = ms[k] == -INFINITY ? 0.0f : ns - ms[k];
             float dt = mt[k] == -INFINITY ? 0.0f : nt - mt[k];
             float rs = exp_nonpositive(-ds), rt = exp_nonpositive(-dt);
-            if (reverse)
+            if (mode == 1)
                 c[k] = zs[k] == 0.0f ? c[k] : rs * (c[k] - (ds - dt) * zs[k]);
-            else
+            else if (mode == 0)
                 c[k] = zt[k] == 0.0f ? c[k] : rt * (c[k] - (dt - ds) * zt[k]);
             d[k] = zs[k] == 0.0f ? d[k] : rs * (d[k] - ds * zs[k]);
             z1[k] *= exp_nonpositive(-power * ds);
@@ -586,7 +649,7 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
         }
         for (int64_t j = j0; j < j1; ++j) {
             const float *p = s + j * lds + r0, *q = t + j * ldt + r0;
-            if (reverse) {
+            if (mode == 1) {
                 _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
                     float u = p[k] * cs - bs[k], v = q[k] * ct - bt[k];
                     float a = exp_nonpositive(u), b = exp_nonpositive(v);
@@ -594,13 +657,18 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
                     pt[k] += b;
                     pc[k] += a == 0.0f ? 0.0f : a * (u - v);
                 }
-            } else {
+            } else if (mode == 0) {
                 _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
                     float u = p[k] * cs - bs[k], v = q[k] * ct - bt[k];
                     float a = exp_nonpositive(u), b = exp_nonpositive(v);
                     ps[k] += a;
                     pt[k] += b;
                     pc[k] += b == 0.0f ? 0.0f : b * (v - u);
+                }
+            } else {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    ps[k] += exp_nonpositive(p[k] * cs - bs[k]);
+                    pt[k] += exp_nonpositive(q[k] * ct - bt[k]);
                 }
             }
             if (entropy) {
@@ -622,9 +690,31 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
             z1[k] += pz[k];
         }
     }
+    if (mode == 2) {
+        for (int64_t k = 0; k < n; ++k) shift[k] = logf(zs[k]) - logf(zt[k]) + log_beta - log_rest;
+        /* Summed a block of 64 classes at a time, then added: ~(64 + V/64) roundings. */
+        for (int64_t j0 = 0; j0 < V; j0 += 64) {
+            int64_t j1 = j0 + 64 < V ? j0 + 64 : V;
+            for (int64_t k = 0; k < n; ++k) pc[k] = pt[k] = 0.0f;
+            for (int64_t j = j0; j < j1; ++j) {
+                const float *p = s + j * lds + r0, *q = t + j * ldt + r0;
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k], g, hq;
+                    float a = exp_nonpositive(u), b = exp_nonpositive(v);
+                    mixture_terms((v - u) + shift[k], log_beta, log_rest, &g, &hq);
+                    pc[k] += a == 0.0f ? 0.0f : a * g;
+                    pt[k] += b == 0.0f ? 0.0f : b * hq;
+                }
+            }
+            _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                c[k] += pc[k];
+                c2[k] += pt[k];
+            }
+        }
+    }
     for (int64_t k = 0; k < n; ++k) {
         int64_t i = r0 + k, tg = target ? target[i] : -1;
-        if (nan[k] != 0.0f) ms[k] = mt[k] = zs[k] = zt[k] = c[k] = d[k] = z1[k] = NAN;
+        if (nan[k] != 0.0f) ms[k] = mt[k] = zs[k] = zt[k] = c[k] = d[k] = z1[k] = c2[k] = NAN;
         ut[k] = tg >= 0 ? s[tg * lds + i] * cs - ms[k] : 0.0f;
         float* o = out + i;
         o[0] = ms[k];
@@ -635,32 +725,44 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
         o[5 * ld_out] = d[k];
         o[6 * ld_out] = z1[k];
         o[7 * ld_out] = ut[k];
+        o[8 * ld_out] = c2[k];
     }
     if (w) {
-        /* Per row: bs the student's coefficient, bt the teacher's, pc mu, pz the hard
-         * normaliser's, pd the target's final value. */
+        /* Per row: bs the student's coefficient w / Zs, bt the teacher's, pc mu (C / Zs), pz
+         * the hard normaliser's, pd the target's final value. */
         float soft = target && power == 0.0f ? h : 0.0f;
         for (int64_t k = 0; k < n; ++k) {
             int64_t i = r0 + k, tg = target ? target[i] : -1;
             float wi = w[i];
-            bs[k] = wi / zs[k] * (reverse ? 1.0f : 1.0f + soft);
+            bs[k] = wi / zs[k];
             bt[k] = -wi / zt[k];
             pc[k] = c[k] / zs[k];
             pz[k] = power > 0.0f ? wi * h * power / z1[k] : 0.0f;
             if (tg < 0) continue;
             float u = ut[k], v = t[tg * ldt + i] * ct - mt[k];
-            float a = exp_nonpositive(u), g;
-            if (reverse)
-                g = a == 0.0f ? 0.0f : wi / zs[k] * a * (((u - v) - pc[k]) + soft);
-            else
-                g = bs[k] * a + bt[k] * exp_nonpositive(v);
+            float a = exp_nonpositive(u), g, gm, hq;
+            if (mode == 0) {
+                g = bs[k] * (1.0f + soft) * a + bt[k] * exp_nonpositive(v);
+            } else if (mode == 1) {
+                g = a == 0.0f ? 0.0f : bs[k] * a * (((u - v) - pc[k]) + soft);
+            } else {
+                mixture_terms((v - u) + shift[k], log_beta, log_rest, &gm, &hq);
+                g = a == 0.0f ? 0.0f : bs[k] * a * (rest * (gm - pc[k]) + soft);
+            }
             if (power > 0.0f) g += pz[k] * exp_nonpositive(power * u);
             pd[k] = g - wi * h * (power > 0.0f ? power : 1.0f);
         }
         for (int64_t j = 0; j < V; ++j) {
             float* p = s + j * lds + r0;
             const float* q = t + j * ldt + r0;
-            if (reverse) {
+            if (mode == 0) {
+                _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
+                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k];
+                    float g = bs[k] * (1.0f + soft) * exp_nonpositive(u)
+                        + bt[k] * exp_nonpositive(v);
+                    p[k] = power > 0.0f ? g + pz[k] * exp_nonpositive(power * u) : g;
+                }
+            } else if (mode == 1) {
                 _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
                     float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k];
                     float a = exp_nonpositive(u);
@@ -669,8 +771,10 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
                 }
             } else {
                 _Pragma("omp simd") for (int64_t k = 0; k < n; ++k) {
-                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k];
-                    float g = bs[k] * exp_nonpositive(u) + bt[k] * exp_nonpositive(v);
+                    float u = p[k] * cs - ms[k], v = q[k] * ct - mt[k], gm, hq;
+                    float a = exp_nonpositive(u);
+                    mixture_terms((v - u) + shift[k], log_beta, log_rest, &gm, &hq);
+                    float g = a == 0.0f ? 0.0f : bs[k] * a * (rest * (gm - pc[k]) + soft);
                     p[k] = power > 0.0f ? g + pz[k] * exp_nonpositive(power * u) : g;
                 }
             }

@@ -80,7 +80,7 @@ _STATS_ARGS += [ctypes.c_void_p] * 4
 _GRAD_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 6
 _FUSED_ARGS = list(_STATS_ARGS[:6]) + [ctypes.c_void_p] * 7
 _PAIR_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_int64] * 3
-_PAIR_ARGS += [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+_PAIR_ARGS += [ctypes.c_float] * 4 + [ctypes.c_int]
 _PAIR_ARGS += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
 
@@ -111,7 +111,8 @@ class RowSums:
 class PairSums:
     """Per row, fp32 ``(B,)``, from :meth:`NativeRows.pair_`: the student's ``row_max`` and
     ``sum_exp``, the teacher's, the divergence's ``cross`` sum, the student's ``dot``
-    (entropy), the hard term's ``z_1`` and ``target_u`` (0 where not asked)."""
+    (entropy), the hard term's ``z_1`` and ``target_u``, and the mixture's ``teacher_cross``
+    sum (0 where not formed)."""
 
     row_max: torch.Tensor
     sum_exp: torch.Tensor
@@ -121,6 +122,7 @@ class PairSums:
     dot: torch.Tensor
     z_1: torch.Tensor
     target_u: torch.Tensor
+    teacher_cross: torch.Tensor
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -248,7 +250,7 @@ class NativeRows:
         *,
         student_scale: float,
         teacher_scale: float,
-        reverse: bool,
+        beta: float,
         entropy: bool = False,
         target: torch.Tensor | None = None,
         hard: float = 0.0,
@@ -257,8 +259,10 @@ class NativeRows:
     ) -> PairSums:
         r"""The row sums of a distillation loss over the row-major tiles ``student`` and
         ``teacher`` ``(B, V)`` of the same rows (:math:`u = s\,c_s - m_s`,
-        :math:`v = t\,c_t - m_t`): forward KL's :math:`C = \sum e^v (v - u)`, or reverse
-        KL's :math:`C = \sum e^u (u - v)`; with ``entropy`` :math:`\sum e^u u`; with
+        :math:`v = t\,c_t - m_t`): ``beta`` 0, forward KL's :math:`C = \sum e^v (v - u)`; 1,
+        reverse KL's :math:`C = \sum e^u (u - v)`; between, the mixture's
+        :math:`C = \sum e^u (\log p - \log r)` and :math:`C_2 = \sum e^v (\log q - \log r)`
+        (:mod:`linear_ce.losses.divergence`); with ``entropy`` :math:`\sum e^u u`; with
         ``power`` :math:`> 0` the hard term's :math:`\sum e^{\mathrm{power}\,u}`; with
         ``target`` ``(B,)`` (int64 local columns, ``-1``: none) :math:`u_t`. With
         ``weight`` ``(B,)`` the gradient of ``weight`` times the rows' divergence plus
@@ -278,7 +282,7 @@ class NativeRows:
         kernel = self._pair_cm if class_major else self._pair
         axis = 1 if class_major else 0
         rows, classes = student.shape
-        out = torch.zeros((8, rows), dtype=torch.float32)
+        out = torch.zeros((9, rows), dtype=torch.float32)
         target = _targets(target, rows)
         weight = _rows_vector(weight, rows)
         failed = []
@@ -286,7 +290,7 @@ class NativeRows:
         def run(r0: int, r1: int) -> None:
             code = kernel(
                 student.data_ptr(), student.stride(axis), teacher.data_ptr(), teacher.stride(axis),
-                r0, r1, classes, student_scale, teacher_scale, int(reverse), power,
+                r0, r1, classes, student_scale, teacher_scale, beta, power,
                 int(entropy), _address(target), hard, _address(weight), out.data_ptr(), rows,
             )  # fmt: skip
             if code:

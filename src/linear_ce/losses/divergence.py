@@ -187,6 +187,10 @@ class DivergenceHead(DistillationHead):
     """Writes ``loss`` ``(N, P)`` (the divergence plus ``hard_weight`` × cross-entropy,
     zero on ignored rows) and, with ``entropy``, the student's entropy ``(N, P)``."""
 
+    #: The compiled pair loops take the head where the call allows them
+    #: (:func:`~linear_ce.engine.chunk_loop.run_chunks`).
+    native_pair = True
+
     def __init__(self, frame: HeadFrame, terms: DistillationTerms, *, entropy: bool) -> None:
         super().__init__(frame, terms)
         self.entropy_on = entropy
@@ -194,10 +198,6 @@ class DivergenceHead(DistillationHead):
         self.late_sums = 2 if self.mode == "mixed" else 0
         self.name_sums([("z_t", True), ("cross", self.mode != "mixed"), ("eu", entropy)])
         self.entropy = frame.zeros() if entropy else None
-        #: Forward and reverse KL take the compiled pair loops where the call allows them
-        #: (:func:`~linear_ce.engine.chunk_loop.run_chunks`); the mixture's softplus terms
-        #: keep torch's operations.
-        self.native_pair = self.mode != "mixed"
 
     def pair_terms(self, rows: RowChunk, p: int, factor: float | None) -> dict:
         """The arguments of :meth:`~linear_ce.engine.native_rows.NativeRows.pair_` for
@@ -208,7 +208,7 @@ class DivergenceHead(DistillationHead):
             target = torch.where(owned, column, -1)
         weight = None if factor is None else self.row_weight[rows, p].float() * factor
         return {
-            "reverse": self.mode == "reverse",
+            "beta": self.beta,
             "entropy": self.entropy_on,
             "target": target,
             "hard": self.hard,
@@ -216,8 +216,9 @@ class DivergenceHead(DistillationHead):
             "weight": weight,
         }
 
-    def pair_sums(self, sums: PairSums, out: torch.Tensor) -> None:
-        """The head's row sums (:meth:`name_sums`) from the pair loops' ``sums``."""
+    def pair_sums(self, sums: PairSums, out: torch.Tensor) -> torch.Tensor | None:
+        """The head's row sums (:meth:`name_sums`) from the pair loops' ``sums`` into ``out``;
+        returns the late sums (the mixture's, as :meth:`sums_after_stats` forms them)."""
         named = {
             "z_t": sums.teacher_sum_exp,
             "cross": sums.cross,
@@ -227,6 +228,7 @@ class DivergenceHead(DistillationHead):
         }
         for name, column in self.index.items():
             out[:, column] = named[name]
+        return torch.stack([sums.teacher_cross, sums.cross], 1) if self.late_sums else None
 
     def companion_tile(self, t: Tile, rows: RowChunk, p: int) -> None:
         self.t = t
