@@ -17,7 +17,11 @@ same math a row at a time, the row held in the core's cache between its reads:
     g_j = e^{u_j}\,\bigl(a + b\,(u_j - \mu)\bigr) + \gamma\,[j = t],
 
 with ``a``, ``b``, ``μ``, ``γ`` per row from the head (:meth:`NativeRows.grad_`), ``g``
-written over the tile in its dtype, rounded once. The sums are fp32 in 64 partial sums
+written over the tile in its dtype, rounded once. A distillation loss reads two tiles of the same rows, the
+student's and the teacher's (:meth:`NativeRows.pair_`): both maxima, both normalisers and the
+divergence's sums in one visit of each row pair, then the student's gradient written over its
+tile (forward KL, reverse KL and their mixture, whose ``softplus`` terms take a ``log1p``
+polynomial). The sums are fp32 in 64 partial sums
 per row, ``eᵘ`` a polynomial within 2 ulp of fp32's: results agree with the torch
 operations to rounding (the tests compare both with float64 at the house bound).
 
