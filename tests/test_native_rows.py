@@ -1631,6 +1631,14 @@ def _pair_formula(s, t, cs, ct, reverse, target, hard, power, w, dtype, ms=None,
     return out
 
 
+def _raises(a: torch.Tensor) -> int:
+    """The most times a row's running max over blocks of 64 classes grows past the first
+    block (the class-major loops rescale their sums then)."""
+    blocks = torch.stack([part.amax(1) for part in a.double().split(64, dim=1)], 1)
+    running = blocks.cummax(1).values
+    return int((running[:, 1:] > running[:, :-1]).sum(1).max()) if blocks.shape[1] > 1 else 0
+
+
 def _norm_ratio(scale: torch.Tensor, value: torch.Tensor) -> float:
     """``‖scale‖ / ‖value‖``: how far a value formed from terms of these magnitudes
     amplifies their rounding (its condition)."""
@@ -1670,7 +1678,7 @@ def _check_pair(loops, layout, s, t, s_out, case, w):
     forms from them (divergence, entropy, hard cross-entropy) at fp32's bound; the
     gradient (with ``w``) at the tile's; the teacher's tile and everything past the
     student's untouched. Returns the sums."""
-    dtype, _ = _FUSED_LAYOUTS[layout]
+    dtype, cm = _FUSED_LAYOUTS[layout]
     x, teacher = s.clone(), t.clone()
     args = (case["cs"], case["ct"], case["reverse"], case["target"], case["hard"], case["power"])
     got = _pair_call(loops, s, t, case, w)
@@ -1685,6 +1693,12 @@ def _check_pair(loops, layout, s, t, s_out, case, w):
     # The sums relative to the loops' maxima, which the head's lse adds back.
     at = _pair_formula(x, t, *args, None, torch.float64, got.row_max, got.teacher_max)
     same = _pair_formula(x, t, *args, w, torch.float32, exact_max, got.teacher_max)
+    # Class-major: each block of 64 classes that raises a row's max multiplies the sums
+    # so far by e^(−Δm) (an exp within 2 ulp, and one rounding): 3 eps(fp32) more per raise
+    # of the student's and the teacher's maxima (HYPOTHESIS_PROFILE=long: Zs 3.5 eps over
+    # one row of 1340 classes, spread 10).
+    raises = _raises(x * _fp32(case["cs"])) + _raises(t * _fp32(case["ct"])) if cm else 0
+    online = 3 * eps(torch.float32) * (1 + raises)
     checks = [(k, v, at[k], same[k]) for k, v in _pair_sums(got).items()]
     checks += [(k, v, exact[k], same[k]) for k, v in _pair_derived(got, *args[2:6:3]).items()]
     for name, value, want, plain in checks:
@@ -1717,12 +1731,12 @@ def _check_pair(loops, layout, s, t, s_out, case, w):
         # of 2 classes, the divergence 4.3e-7 where the plain expression's was 1.8e-7; one
         # peaked row of 64 classes, the entropy 6.2e-7 where the plain's was 1.8e-7.
         value, want, plain = value[rows], want[rows], plain[rows]
-        bound = max(3 * eps(torch.float32), 2 * rel_err(plain, want))
+        bound = max(online, 2 * rel_err(plain, want))
         if name == "divergence":
             bound = max(bound, 2 * rel_err(same["softmax_form"], want))
         if name in ("cross", "divergence", "entropy", "ce"):
             scale = (at if name == "cross" else exact)[f"{name}_scale"][rows]
-            bound = max(bound, 3 * eps(torch.float32) * _norm_ratio(scale, want))
+            bound = max(bound, online * _norm_ratio(scale, want))
         err = rel_err(value, want)
         assert err <= bound, f"pair {layout} {name}: {err:.3g} > {bound:.3g}"
     if w is not None:
@@ -1733,7 +1747,7 @@ def _check_pair(loops, layout, s, t, s_out, case, w):
         # norm of their magnitudes, as the sums above.
         g, plain = exact["grad"], same["grad"].to(dtype)
         bound = max(3 * eps(dtype), 2 * rel_err(g.to(dtype), g), 2 * rel_err(plain, g))
-        bound = max(bound, 3 * eps(torch.float32) * _norm_ratio(exact["grad_scale"], g))
+        bound = max(bound, online * _norm_ratio(exact["grad_scale"], g))
         err = rel_err(s, g)
         assert err <= bound, f"pair {layout} grad: {err:.3g} > {bound:.3g}"
     else:
@@ -1783,6 +1797,12 @@ _PAIR_EDGE = dict(
 @example(case={**_PAIR_EDGE, "rows": 17, "classes": 63, "hard": "hard-all", "pads": (0, 0)})
 @example(case={**_PAIR_EDGE, "rows": 1, "classes": 1, "hard": "none", "entropy": False})
 @example(case={**_PAIR_EDGE, "classes": 1000, "hard": "hard-power-half", "reverse": False})
+# Found by HYPOTHESIS_PROFILE=long: class-major Zs 3.5 eps (its rescalings; see _check_pair).
+@example(
+    case={**_PAIR_EDGE, "rows": 1, "classes": 1340, "pads": (0, 0), "cs": 1.0, "ct": 1.0,
+          "reverse": False, "entropy": False, "hard": "none", "weight": False, "threads": 1,
+          "seed": 45400}
+)  # fmt: skip
 def test_pair_against_float64(layout, case):
     """pair_ (forward and reverse KL, the entropy's sum or not, the hard term with and
     without its own normaliser, some targets -1, a weight or none) for bf16, fp16, fp32
