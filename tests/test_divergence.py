@@ -786,11 +786,23 @@ def _pair_calls(monkeypatch) -> list[tuple[torch.dtype, bool, int]]:
     return calls
 
 
+def _need_compiler() -> None:
+    """Skip where there is no C compiler to build the loops with (the package then takes
+    the torch operations)."""
+    import shutil
+
+    from linear_ce.engine import native_rows as nr
+
+    if shutil.which(nr._compiler()[0]) is None:
+        pytest.skip(f"no C compiler {nr._compiler()[0]!r} to build the pair loops")
+
+
 def _pair_path(monkeypatch, path):
     """The path's input dtype and expected tiles, its environment set (the fixed-rule plan;
     the loops required, so that a failing build is an error here, not the torch path)."""
     from linear_ce.engine.capability import native_half_gemm
 
+    _need_compiler()
     dtype, env, tile, class_major = _PAIR_PATHS[path]
     monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
     monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "1")
@@ -898,6 +910,7 @@ def test_pair_loops_not_taken(monkeypatch, case):
     loops) takes them."""
     from linear_ce.engine.capability import native_half_gemm
 
+    _need_compiler()
     monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
     monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "1")
     calls = _pair_calls(monkeypatch)
