@@ -841,7 +841,7 @@ def _pair_check(dtype, beta, v, *, seed=11, n=3, length=40, fs=16, ft=12, classe
     leaves = [a.clone().requires_grad_() for a in (xs, ws)]
     entropy = v.get("entropy", False)
     out = linear_ce.linear_divergence(
-        *leaves[:1], leaves[1], xt, wt, t, beta=beta, temperature=terms["temperature"],
+        *leaves, xt, wt, t, beta=beta, temperature=terms["temperature"],
         hard_weight=terms["hard_weight"], reduction=terms["reduction"],
         student_logit_scale=terms["scale_s"], teacher_logit_scale=terms["scale_t"],
         return_entropy=entropy, options=LinearCrossEntropyOptions(batch_chunk_size=16), **call,
@@ -849,6 +849,10 @@ def _pair_check(dtype, beta, v, *, seed=11, n=3, length=40, fs=16, ft=12, classe
     loss, ent = out if entropy else (out, None)
     up = torch.randn(loss.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     got = [loss.detach(), *torch.autograd.grad((loss * up.to(loss.dtype)).sum(), leaves)]
+    if entropy:
+        got.append(ent)
+    if not against_float64:
+        return got
     results = {}
     for name, kind in (("exact", torch.float64), ("same", dtype)):
         wide = [a.detach().to(kind).requires_grad_() for a in (xs, ws)]
@@ -862,10 +866,6 @@ def _pair_check(dtype, beta, v, *, seed=11, n=3, length=40, fs=16, ft=12, classe
                                  / terms["temperature"], -1)  # fmt: skip
         h = torch.where(t != -100, -(logp.exp() * logp).sum(-1), 0.0)
         results[name] = [ref.detach(), *grads, h]
-    if entropy:
-        got.append(ent)
-    if not against_float64:
-        return got
     names = ["loss", "grad_input", "grad_weight", "entropy"]
     outputs = zip(names, got, results["exact"], results["same"], strict=False)  # entropy: asked
     for name, value, exact, same in outputs:
