@@ -886,8 +886,10 @@ _VOCAB_PARALLEL: tuple[Mutation, ...] = (
         _DIVERGENCE_HEAD,
         (
             (
-                "self.frame.local_columns(self.target[rows, p])",
-                "self.frame.local_columns(self.target[rows, p] + self.frame.vocab_start)",
+                "self.owned_t, column = self.frame.local_columns(self.target[rows, p])",
+                "self.owned_t, column = self.frame.local_columns(\n"
+                "            self.target[rows, p] + self.frame.vocab_start\n"
+                "        )",
             ),
         ),
         ("tests/test_distributed_divergence.py",),
@@ -1702,6 +1704,268 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
 )
 
+
+_PAIR_TESTS = ("tests/test_native_rows.py", "-k", "pair")
+_PAIR_CALL_TESTS = ("tests/test_divergence.py", "-k", "pair_loops")
+_CHUNK_LOOP = "src/linear_ce/engine/chunk_loop.py"
+
+_PAIR_LOOPS: tuple[Mutation, ...] = (
+    Mutation(
+        "pair_loops",
+        "class-major forward KL: the cross sum's shift dropped where a block raises the max",
+        _NATIVE_C,
+        (
+            (
+                "rt * (c[k] - (dt - ds) * zt[k]);",
+                "rt * c[k];",
+            ),
+        ),
+        _PAIR_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major reverse KL: the cross sum's shift dropped where a block raises the max",
+        _NATIVE_C,
+        (("rs * (c[k] - (ds - dt) * zs[k]);", "rs * c[k];"),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major pair entropy sum: the shift of a raised max dropped",
+        _NATIVE_C,
+        (("rs * (d[k] - ds * zs[k]);", "rs * d[k];"),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major hard-term normaliser not rescaled when a block raises the max",
+        _NATIVE_C,
+        (("            z1[k] *= exp_nonpositive(-power * ds);\n", ""),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major pair loop: a row's first max moved by -inf - -inf (the guard dropped)",
+        _NATIVE_C,
+        (
+            (
+                "float ds = ms[k] == -INFINITY ? 0.0f : ns - ms[k];",
+                "float ds = ns - ms[k];",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major forward KL: a masked teacher class's 0 * (-inf) not guarded",
+        _NATIVE_C,
+        ((" c[k] += b == 0.0f ? 0.0f : b * (v - u);", " c[k] += b * (v - u);"),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major reverse KL gradient: a masked class's 0 * (-inf) not guarded",
+        _NATIVE_C,
+        (
+            (
+                "srow[j] = STORE(a == 0.0f ? 0.0f : as * a * ((dj - mu) + soft));",
+                "srow[j] = STORE(as * a * ((dj - mu) + soft));",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major pair gradient: the hard term's -h T' at the target dropped",
+        _NATIVE_C,
+        (
+            (
+                "if (tg >= 0) srow[tg] = STORE(gt - wi * h * (power > 0.0f ? power : 1.0f));",
+                "if (tg >= 0) srow[tg] = STORE(gt - wi * h);",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major pair gradient: the target's value not fixed up (-h T' dropped)",
+        _NATIVE_C,
+        (
+            (
+                "pd[k] = g - wi * h * (power > 0.0f ? power : 1.0f);",
+                "pd[k] = g;",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major pair entropy sum of e^u times the scaled logit, not u",
+        _NATIVE_C,
+        (
+            (
+                "a * (LOAD(srow[j0 + k]) * cs - ms);",
+                "a * (LOAD(srow[j0 + k]) * cs);   ",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major pair entropy sum without the factor u",
+        _NATIVE_C,
+        (("pd[k] += a == 0.0f ? 0.0f : a * u;", "pd[k] += a;"),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major pair gradient: the hard softmax at temperature 1 without its factor T'",
+        _NATIVE_C,
+        (
+            (
+                "float az = power > 0.0f ? wi * h * power / z1[0] : 0.0f;",
+                "float az = power > 0.0f ? wi * h / z1[0] : 0.0f;",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major hard-term normaliser summed at the student's temperature (power dropped)",
+        _NATIVE_C,
+        (
+            (
+                "z1[k] += exp_nonpositive(power * (LOAD(srow[j0 + k]) * cs - ms));",
+                "z1[k] += exp_nonpositive((LOAD(srow[j0 + k]) * cs - ms));",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major pair gradient: the hard term's softmax (T = 1) left out of p's coefficient",
+        _NATIVE_C,
+        (
+            (
+                "float wi = w[i], soft = target && power == 0.0f ? h : 0.0f;",
+                "float wi = w[i], soft = 0.0f;",
+            ),
+        ),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major pair loop: a NaN logit no longer makes the row's maxima NaN",
+        _NATIVE_C,
+        (("if (nan) ms = mt = NAN;", "                       "),),
+        _PAIR_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the pair loops' plan not made again for their tiles (the torch path's tiles)",
+        _CHUNK_LOOP,
+        (
+            (
+                "plan = plan_for(2 * pair.dtype.itemsize // plan.acc_dtype.itemsize)",
+                "plan = plan",
+            ),
+        ),
+        _PAIR_CALL_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "pair_loops",
+        "the pair loops' plan counts half tiles as fp32 ones",
+        _CHUNK_LOOP,
+        (
+            (
+                "plan = plan_for(2 * pair.dtype.itemsize // plan.acc_dtype.itemsize)",
+                "plan = plan_for(2)",
+            ),
+        ),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "pair sums: the teacher's normaliser read from the student's",
+        _DIVERGENCE_HEAD,
+        (('"z_t": sums.teacher_sum_exp,', '"z_t": sums.sum_exp,'),),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "pair sums: the hard term's own normaliser read as the student's",
+        _DIVERGENCE_HEAD,
+        (('"z_1": sums.z_1,', '"z_1": sums.sum_exp,'),),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "pair sums: the entropy's sum left out",
+        _DIVERGENCE_HEAD,
+        (('"eu": sums.dot,', '"eu": 0.0 * sums.dot,'),),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "pair gradient weights without the transform's factor (temperature, logit scale)",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                "weight = None if factor is None else self.row_weight[rows, p].float() * factor",
+                "weight = None if factor is None else self.row_weight[rows, p].float()",
+            ),
+        ),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the hard term's temperature-1 normaliser never asked of the pair loops",
+        _DIVERGENCE_HEAD,
+        (
+            (
+                '"power": self.temperature if self.own_z1 else 0.0,',
+                '"power": 0.0,',
+            ),
+        ),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the teacher's tile scaled by the student's transform in the pair loops",
+        _CHUNK_LOOP,
+        (
+            (
+                "teacher_scale=other.companion.transform.factor,",
+                "teacher_scale=transform.factor,",
+            ),
+        ),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the pair loops taken with a teacher bias (never added)",
+        _CHUNK_LOOP,
+        (("        or companion.bias is not None\n", ""),),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the pair loops taken with a teacher softcap (never applied)",
+        _CHUNK_LOOP,
+        (("        or companion.transform.softcap is not None\n", ""),),
+        _PAIR_CALL_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "the pair loops taken for the mixture (0 < beta < 1)",
+        _DIVERGENCE_HEAD,
+        (('self.native_pair = self.mode != "mixed"', "self.native_pair = True"),),
+        _PAIR_CALL_TESTS,
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -1716,6 +1980,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_TRL_SEQUENCE,
     *_MACHINE_PLAN,
     *_NATIVE_ROWS,
+    *_PAIR_LOOPS,
 )
 
 

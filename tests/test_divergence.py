@@ -751,3 +751,315 @@ def test_hard_term_beside_a_masked_class_on_another_shard(tmp_path):
         f for r in range(world) for f in json.loads((tmp_path / f"rank{r}.json").read_text())
     ]
     assert not failures, failures
+
+
+# The compiled pair loops (linear_ce.engine.native_rows.NativeRows.pair_): forward and
+# reverse KL on each tile they take, against float64, and the calls they must leave to
+# torch's operations.
+
+_NATIVE_HALF = "LINEAR_CE_NATIVE_HALF_GEMM"
+_LAYOUT = "LINEAR_CE_TILE_LAYOUT"
+
+#: A path of the pair loops: the inputs' dtype, the environment that forces it, the tiles'
+#: dtype and layout (True: class-major). Half inputs with native half GEMMs: half row-major
+#: tiles; without (forced: =0): fp32 tiles (upcast blocks of the weight), the fixed rule's
+#: class-major; fp32 inputs: fp32 tiles in the layout asked.
+_PAIR_PATHS = {
+    "bf16-half-tiles": (torch.bfloat16, {_NATIVE_HALF: "1"}, torch.bfloat16, False),
+    "f16-half-tiles": (torch.float16, {_NATIVE_HALF: "1"}, torch.float16, False),
+    "bf16-fp32-tiles": (torch.bfloat16, {_NATIVE_HALF: "0"}, torch.float32, True),
+    "f32-class-major": (torch.float32, {_LAYOUT: "class-major"}, torch.float32, True),
+    "f32-row-major": (torch.float32, {_LAYOUT: "row-major"}, torch.float32, False),
+}
+
+
+def _pair_calls(monkeypatch) -> list[tuple[torch.dtype, bool, int]]:
+    """Records every pair_ call's student tile: (dtype, class-major, rows)."""
+    from linear_ce.engine import native_rows as nr
+
+    calls = []
+    original = nr.NativeRows.pair_
+
+    def counted(self, student, teacher, **kwargs):
+        class_major = student.stride(0) == 1 and student.shape[1] > 1
+        calls.append((student.dtype, class_major, student.shape[0]))
+        return original(self, student, teacher, **kwargs)
+
+    monkeypatch.setattr(nr.NativeRows, "pair_", counted)
+    return calls
+
+
+def _need_compiler() -> None:
+    """Skip where there is no C compiler to build the loops with (the package then takes
+    the torch operations)."""
+    import shutil
+
+    from linear_ce.engine import native_rows as nr
+
+    if shutil.which(nr._compiler()[0]) is None:
+        pytest.skip(f"no C compiler {nr._compiler()[0]!r} to build the pair loops")
+
+
+def _pair_path(monkeypatch, path):
+    """The path's input dtype and expected tiles, its environment set (the fixed-rule plan;
+    the loops required, so that a failing build is an error here, not the torch path)."""
+    from linear_ce.engine.capability import native_half_gemm
+
+    _need_compiler()
+    dtype, env, tile, class_major = _PAIR_PATHS[path]
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if tile != torch.float32 and not native_half_gemm(dtype, torch.device("cpu")):
+        pytest.skip(f"this CPU has no native {dtype} GEMMs (no half tile)")
+    return dtype, tile, class_major
+
+
+#: What a call adds on each path: reduction, hard term, temperature, logit scales, entropy.
+_PAIR_VARIANTS = {
+    "mean-hard-temperature": dict(
+        reduction="mean", hard_weight=0.5, temperature=2.0, scale_s=1.3, scale_t=0.8
+    ),
+    "sum-hard": dict(reduction="sum", hard_weight=0.3),
+    "none-entropy": dict(reduction="none", temperature=0.7, entropy=True),
+    "none-hard-entropy": dict(reduction="none", hard_weight=0.4, temperature=1.5, entropy=True),
+}
+
+
+def _pair_check(dtype, beta, v, *, seed=11, n=3, length=40, fs=16, ft=12, classes=130, **call):
+    """linear_divergence (chunks of 16 rows) with ``v``'s terms: its loss, gradients and
+    entropy against the plain float64 expression, each within 3 eps of ``dtype`` or twice
+    the plain same-dtype expression's error (the house bound)."""
+    xs, ws, xt, wt, _, _, t = _inputs(
+        seed, dtype, bias=False, n=n, length=length, fs=fs, ft=ft, v=classes
+    )
+    teacher_dtype = call.pop("teacher_dtype", dtype)
+    against_float64 = call.pop("against_float64", True)
+    xt, wt = xt.to(teacher_dtype), wt.to(teacher_dtype)
+    terms = dict(
+        beta=beta, temperature=v.get("temperature", 1.0), hard_weight=v.get("hard_weight", 0.0),
+        reduction=v["reduction"], scale_s=v.get("scale_s", 1.0), scale_t=v.get("scale_t", 1.0),
+    )  # fmt: skip
+    leaves = [a.clone().requires_grad_() for a in (xs, ws)]
+    entropy = v.get("entropy", False)
+    out = linear_ce.linear_divergence(
+        *leaves, xt, wt, t, beta=beta, temperature=terms["temperature"],
+        hard_weight=terms["hard_weight"], reduction=terms["reduction"],
+        student_logit_scale=terms["scale_s"], teacher_logit_scale=terms["scale_t"],
+        return_entropy=entropy, options=LinearCrossEntropyOptions(batch_chunk_size=16), **call,
+    )  # fmt: skip
+    loss, ent = out if entropy else (out, None)
+    up = torch.randn(loss.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    got = [loss.detach(), *torch.autograd.grad((loss * up.to(loss.dtype)).sum(), leaves)]
+    if entropy:
+        got.append(ent)
+    if not against_float64:
+        return got
+    results = {}
+    for name, kind in (("exact", torch.float64), ("same", dtype)):
+        wide = [a.detach().to(kind).requires_grad_() for a in (xs, ws)]
+        ref = plain_divergence(
+            wide[0], wide[1], xt.to(kind), wt.to(kind), t, beta=beta,
+            temperature=terms["temperature"], hard_weight=terms["hard_weight"],
+            reduction=terms["reduction"], scale_s=terms["scale_s"], scale_t=terms["scale_t"],
+        )  # fmt: skip
+        grads = torch.autograd.grad((ref * up.to(kind)).sum(), wide)
+        logp = torch.log_softmax(wide[0].detach() @ wide[1].detach().T * terms["scale_s"]
+                                 / terms["temperature"], -1)  # fmt: skip
+        h = torch.where(t != -100, -(logp.exp() * logp).sum(-1), 0.0)
+        results[name] = [ref.detach(), *grads, h]
+    names = ["loss", "grad_input", "grad_weight", "entropy"]
+    outputs = zip(names, got, results["exact"], results["same"], strict=False)  # entropy: asked
+    for name, value, exact, same in outputs:
+        bound = max(3 * eps(dtype), 2 * rel_err(same, exact))
+        err = rel_err(value, exact)
+        assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
+    for g, a in zip(got[1:3], (xs, ws), strict=True):
+        assert g.dtype == a.dtype
+    return got
+
+
+@pytest.mark.parametrize("variant", list(_PAIR_VARIANTS))
+@pytest.mark.parametrize("beta", [0.0, 1.0], ids=["forward", "reverse"])
+@pytest.mark.parametrize("path", list(_PAIR_PATHS))
+def test_pair_loops_against_float64(monkeypatch, path, beta, variant):
+    """Forward and reverse KL by the pair loops on every tile they take (half row-major
+    tiles with native half GEMMs, fp32 tiles for bf16 inputs without, fp32 inputs' tiles in
+    either layout): mean, sum and "none" (its gradient formed in backward), the hard term
+    at T = 1 and with its own normaliser, logit scales, the entropy output; within the
+    house bound of float64, a quarter of the rows ignored, chunks of 16 rows; every chunk
+    (forward and, for "none", backward) by the pair loops on the tiles asked."""
+    dtype, tile, class_major = _pair_path(monkeypatch, path)
+    calls = _pair_calls(monkeypatch)
+    v = _PAIR_VARIANTS[variant]
+    _pair_check(dtype, beta, v)
+    valid = int((_inputs(11, n=3, length=40, fs=16, ft=12, v=130)[-1] != -100).sum())
+    chunks = -(-valid // 16)
+    assert len(calls) == chunks * (2 if v["reduction"] == "none" else 1), calls
+    assert {(d, c) for d, c, _ in calls} == {(tile, class_major)}
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mixture", "student-bias", "teacher-bias", "student-softcap", "teacher-softcap",
+     "teacher-f32", "student-f32-teacher-bf16", "loops-off"],
+)  # fmt: skip
+def test_pair_loops_not_taken(monkeypatch, case):
+    """Calls the pair loops cannot do keep torch's operations (no pair_ call), and are
+    right: the mixture (0 < beta < 1), a bias or a softcap on either head, a teacher of
+    another dtype than the student's; LINEAR_CE_NATIVE_ROWS=0 turns them off. Each
+    against float64 at the house bound; the control (the same call without what stops the
+    loops) takes them."""
+    from linear_ce.engine.capability import native_half_gemm
+
+    _need_compiler()
+    monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "1")
+    calls = _pair_calls(monkeypatch)
+    dtype, beta = torch.float32, 0.0
+    kw: dict = {}
+    if case == "mixture":
+        beta = 0.5
+    elif case == "loops-off":
+        monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "0")
+    elif case == "teacher-f32":
+        if not native_half_gemm(torch.bfloat16, torch.device("cpu")):
+            pytest.skip("this CPU has no native bf16 GEMMs (the pair loops' half tiles)")
+        monkeypatch.setenv(_NATIVE_HALF, "1")
+        dtype, kw = torch.bfloat16, dict(teacher_dtype=torch.float32)
+    elif case == "student-f32-teacher-bf16":
+        kw = dict(teacher_dtype=torch.bfloat16)
+    v = dict(reduction="mean", hard_weight=0.3, entropy=True)
+    # The control: the same call where nothing stops the loops.
+    control = {**kw, "teacher_dtype": dtype}
+    if case != "loops-off":
+        _pair_check(dtype, 0.0, v, length=12, **control)
+        assert calls, "the control did not take the pair loops"
+        calls.clear()
+    if case.endswith("bias") or case.endswith("softcap"):
+        _pair_check_with(case, v)
+    elif "teacher_dtype" in kw:
+        # The teacher's logits are formed in its own dtype (a bf16 teacher's rounded to
+        # bf16), which the plain expression on float64 inputs does not see: the call is
+        # checked to be torch's operations' (LINEAR_CE_NATIVE_ROWS=0), the same bits.
+        got = _pair_check(dtype, beta, v, length=12, against_float64=False, **kw)
+        monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "0")
+        want = _pair_check(dtype, beta, v, length=12, against_float64=False, **kw)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    else:
+        _pair_check(dtype, beta, v, length=12, **kw)
+    assert not calls, f"{case}: the pair loops took a call they cannot do"
+
+
+def _pair_check_with(case, v):
+    """_check's float32 call (a bias or a softcap on one head), against float64."""
+    head, what = case.split("-")
+    kw = dict(bias=False, hard_weight=v["hard_weight"], reduction=v["reduction"])
+    if what == "softcap":
+        kw["cap_s" if head == "student" else "cap_t"] = 3.0
+        _check(torch.float32, **kw)
+        return
+    # A bias on one head only: the other's zeros are no bias to the loops' check.
+    xs, ws, xt, wt, bs, bt, t = _inputs(12, torch.float32, bias=True)
+    leaves = [a.clone().requires_grad_() for a in (xs, ws)]
+    bias = {"student_bias": bs} if head == "student" else {"teacher_bias": bt}
+    loss = linear_ce.linear_divergence(*leaves, xt, wt, t, hard_weight=0.3, **bias)
+    grads = torch.autograd.grad(loss, leaves)
+    wide = [a.double().requires_grad_() for a in (xs, ws)]
+    ref_bias = dict(bs=bs.double()) if head == "student" else dict(bt=bt.double())
+    ref = plain_divergence(*wide, xt.double(), wt.double(), t, hard_weight=0.3, **ref_bias)
+    ref_grads = torch.autograd.grad(ref, wide)
+    narrow = [a.clone().requires_grad_() for a in (xs, ws)]
+    same_bias = dict(bs=bs) if head == "student" else dict(bt=bt)
+    same = plain_divergence(*narrow, xt, wt, t, hard_weight=0.3, **same_bias)
+    same_grads = torch.autograd.grad(same, narrow)
+    for g, r, s in ((loss, ref, same), *zip(grads, ref_grads, same_grads, strict=True)):
+        # The house bound: 3 eps(fp32) or twice the plain fp32 expression's error.
+        assert rel_err(g, r) <= max(3 * eps(torch.float32), 2 * rel_err(s, r))
+
+
+@pytest.mark.parametrize("path", ["bf16-half-tiles", "f32-class-major", "f32-row-major"])
+@pytest.mark.parametrize("beta", [0.0, 1.0], ids=["forward", "reverse"])
+def test_pair_loops_many_chunks(monkeypatch, path, beta):
+    """Hundreds of chunks (LINEAR_CE_CHUNK_ROWS=16 over 4000 rows of 8 features, 64
+    classes) by the pair loops: the error does not grow with their number (the house bound
+    against float64), each chunk one pair_ call of at most 16 rows."""
+    dtype, tile, class_major = _pair_path(monkeypatch, path)
+    monkeypatch.setenv("LINEAR_CE_CHUNK_ROWS", "16")
+    calls = _pair_calls(monkeypatch)
+    rows, classes = 4000, 64
+    g = torch.Generator().manual_seed(13)
+    xs = torch.randn(rows, 8, generator=g, dtype=torch.float64)
+    ws = torch.randn(classes, 8, generator=g, dtype=torch.float64) / 2
+    xt = torch.randn(rows, 6, generator=g, dtype=torch.float64)
+    wt = torch.randn(classes, 6, generator=g, dtype=torch.float64) / 2
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[torch.rand(rows, generator=g) < 0.2] = -100
+    xs, ws, xt, wt = (a.to(dtype) for a in (xs, ws, xt, wt))
+    leaves = [a.clone().requires_grad_() for a in (xs, ws)]
+    loss = linear_ce.linear_divergence(*leaves, xt, wt, t, beta=beta, hard_weight=0.5)
+    grads = torch.autograd.grad(loss, leaves)
+    assert len(calls) >= 200 and all(n <= 16 for _, _, n in calls)
+    assert {(d, c) for d, c, _ in calls} == {(tile, class_major)}
+    results = {}
+    for kind in (torch.float64, dtype):
+        wide = [a.detach().to(kind).requires_grad_() for a in (xs, ws)]
+        ref = plain_divergence(*wide, xt.to(kind), wt.to(kind), t, beta=beta, hard_weight=0.5)
+        results[kind] = [ref, *torch.autograd.grad(ref, wide)]
+    for got, exact, same in zip(
+        [loss, *grads], results[torch.float64], results[dtype], strict=True
+    ):
+        # The house bound: 3 eps of the dtype or twice the plain same-dtype error.
+        assert rel_err(got, exact) <= max(3 * eps(dtype), 2 * rel_err(same, exact))
+
+
+@pytest.mark.parametrize("path", ["bf16-half-tiles", "f32-class-major"])
+def test_pair_loops_plan_their_tiles(monkeypatch, path):
+    """The plan of a call the pair loops take counts their tiles: two of the tiles' dtype
+    (student and teacher; the torch path holds a third, eᵘ, with the entropy asked), so
+    fp32 chunks where two tiles fit the distillation share and three would not; half tiles
+    (two bf16 tiles: one fp32 tile's bytes) chunks longer than the fp32 tiles' plan of the
+    same call (LINEAR_CE_NATIVE_ROWS=0), at most twice as long (the same bytes)."""
+    import linear_ce.engine.chunk_loop as chunk_loop
+    from linear_ce.engine.plan import DIVERGENCE_SHARE
+
+    dtype, tile, _ = _pair_path(monkeypatch, path)
+    for name in ("LINEAR_CE_MEMORY_BUDGET", "LINEAR_CE_CHUNK_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = _pair_calls(monkeypatch)
+    plans = []
+    run_chunks = chunk_loop.run_chunks
+
+    def spy(*args, **kwargs):
+        plans.append(args[5].rows_per_chunk)
+        return run_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_loop, "run_chunks", spy)
+    n, d, v = 1024, 1024, 2048
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    ws = (torch.randn(v, d, generator=g) / 32).to(dtype).requires_grad_()
+    xt, wt = torch.randn(n, d, generator=g).to(dtype), (torch.randn(v, d, generator=g) / 32)
+    t = torch.randint(0, v, (n,), generator=g)
+
+    def rows_per_chunk(entropy: bool) -> int:
+        plans.clear()
+        out = linear_ce.linear_divergence(xs, ws, xt, wt.to(dtype), t, return_entropy=entropy)
+        (out[0] if entropy else out).backward()
+        (rows,) = plans
+        return rows
+
+    # fp32: with the entropy (the torch path's third tile); half: without (two fp32 tiles).
+    rows = rows_per_chunk(entropy=dtype == torch.float32)
+    assert calls and {c[0] for c in calls} == {tile}
+    if dtype == torch.float32:
+        grad_bytes = (n + v) * d * 4
+        tile_bytes = rows * v * 4
+        assert 2 * tile_bytes <= DIVERGENCE_SHARE * grad_bytes < 3 * tile_bytes, rows
+    else:
+        monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "0")
+        fp32_rows = rows_per_chunk(entropy=False)
+        # Evened out over the chunks (each a multiple of ROW_MULTIPLE): a few rows more.
+        assert fp32_rows < rows <= 2 * fp32_rows + 32, (rows, fp32_rows)

@@ -15,6 +15,7 @@ or row-major tile) need only a C compiler.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -1521,3 +1522,496 @@ def test_half_vocabulary_pass_both_paths(dtype, flows, case, group_rows, monkeyp
         # 4 eps: the entropy's gradient (as test_token_logprobs_both_paths).
         what = f"half vocabulary pass {case} {flows} {group_rows} {mode}"
         _check(got, exact, same, dtype, what, floor=4)
+
+
+# The pair loops (pair_: a distillation loss's student and teacher tiles in one visit of
+# each row), every tile layout, against float64 written here.
+
+#: A pair_ call's hard term: ``(target kind, hard weight, power)``. The target alone (no
+#: weight) still asks for u_t; ``power > 0`` gives the hard term its own normaliser Z_1.
+_PAIR_HARD = {
+    "none": ("absent", 0.0, 0.0),
+    "target-only": ("some", 0.0, 0.0),
+    "hard": ("some", 0.7, 0.0),
+    "hard-all": ("all", 0.7, 0.0),
+    "hard-power": ("some", 0.7, 2.0),
+    "hard-power-half": ("all", 0.4, 0.5),
+    "hard-power-none-owned": ("none_owned", 0.7, 1.5),
+}
+
+
+def _pair_tiles(layout, rows, classes, spread, seed, pads):
+    """``(student_outside, student, teacher_outside, teacher)``: tiles of ``layout``, each a
+    slice of its own wider NaN buffer (``pads``: the student's and the teacher's extra
+    columns, so their row or class strides differ)."""
+    s_out, s = _layout_tile(layout, rows, classes, spread, seed, pads[0])
+    t_out, t = _layout_tile(layout, rows, classes, spread, seed + 1000, pads[1])
+    return s_out, s, t_out, t
+
+
+def _pair_formula(s, t, cs, ct, reverse, target, hard, power, w, dtype, ms=None, mt=None):
+    r"""Everything a pair_ call forms, written out in ``dtype`` math (float64: the exact
+    value; float32: torch's plain expression on the same fp32 logits), from the student's
+    ``s`` and teacher's ``t`` tiles: with ``a = s·c_s``, ``b = t·c_t``, ``u = a − m_s``,
+    ``v = b − m_t`` (``ms``, ``mt``: those maxima, default the rows' own), the sums
+    (Zs, Zt, C, E, Z1, u_t), the divergence, the student's entropy, the hard term's
+    cross-entropy at temperature 1 (``T' = power`` or 1: ``log Z1 − T' u_t``, Z1 = Zs
+    where ``power`` is 0) and, with ``w``, the gradient with respect to ``a`` of
+    ``w · (divergence + hard · CE)``: ``p − q`` (forward), ``p (u − v − μ)`` (reverse,
+    ``μ = C/Zs``), plus ``hard · T' (softmax(T' a) − onehot(target))``, where a target of
+    -1 (another shard's) has no one-hot term. A product with a factor eᵘ or eᵛ that is 0
+    is 0 (a masked class: the limit, not 0·inf)."""
+    a = s.to(dtype) * torch.tensor(_fp32(cs), dtype=dtype)
+    b = t.to(dtype) * torch.tensor(_fp32(ct), dtype=dtype)
+    ms = a.amax(1) if ms is None else ms.to(dtype)
+    mt = b.amax(1) if mt is None else mt.to(dtype)
+    u, v = a - ms[:, None], b - mt[:, None]
+    eu, ev = u.exp(), v.exp()
+    zs, zt = eu.sum(1), ev.sum(1)
+    if reverse:
+        c = torch.where(eu == 0, 0.0, eu * (u - v)).sum(1)
+        divergence = c / zs - zs.log() + zt.log()
+    else:
+        c = torch.where(ev == 0, 0.0, ev * (v - u)).sum(1)
+        divergence = c / zt - zt.log() + zs.log()
+    # The divergence as the plain expression forms it too: Σ (softmax) (log-softmax
+    # difference), the larger of the two plain errors bounds (a plain form can be lucky).
+    ls, lt = a.log_softmax(1), b.log_softmax(1)
+    if reverse:
+        softmax_form = torch.where(eu == 0, 0.0, ls.exp() * (ls - lt)).sum(1)
+    else:
+        softmax_form = torch.where(ev == 0, 0.0, lt.exp() * (lt - ls)).sum(1)
+    e = torch.where(eu == 0, 0.0, eu * u).sum(1)
+    tpow = power if power > 0 else 1.0
+    e1 = (power * u).exp() if power > 0 else eu
+    z1 = e1.sum(1)
+    owned = target >= 0 if target is not None else torch.zeros(len(s), dtype=torch.bool)
+    safe = (target if target is not None else torch.zeros(len(s), dtype=torch.long)).clamp(min=0)
+    ut = torch.where(owned, u.gather(1, safe[:, None])[:, 0], 0.0)
+    out = dict(
+        zs=zs, zt=zt, cross=c, dot=e, z1=z1 if power > 0 else torch.zeros_like(zs), ut=ut,
+        divergence=divergence, entropy=zs.log() - e / zs, ce=z1.log() - tpow * ut,
+        softmax_form=softmax_form,
+    )  # fmt: skip
+    # The scales of the values whose terms cancel (see _check_pair), in units of their
+    # terms' relative rounding: u = x·c − m carries up to |x·c| + |u| of it (x·c rounded
+    # to fp32 first, as in torch's plain expression; then the difference), so eᵘ that as a
+    # relative error, a sum of eᵘ its p-weighted mean (rel_s; a log takes it as an
+    # absolute one), a product e^v (v − u) both factors' (C's terms).
+    ru, rv = a.abs() + u.abs(), b.abs() + v.abs()
+    p, q = eu / zs[:, None], ev / zt[:, None]
+    rel_s = 1 + torch.where(eu == 0, 0.0, p * ru).sum(1)
+    rel_t = 1 + torch.where(ev == 0, 0.0, q * rv).sum(1)
+    f, z = (eu, zs) if reverse else (ev, zt)
+    cross_terms = f * ((u - v).abs() * (1 + (ru if reverse else rv)) + ru + rv)
+    out["cross_scale"] = torch.where(f == 0, 0.0, cross_terms).sum(1)
+    out["divergence_scale"] = (out["cross_scale"] + c.abs()) / z + rel_s + rel_t
+    u_terms = torch.where(eu == 0, 0.0, p * (1 + u.abs()) * ru).sum(1)
+    out["entropy_scale"] = u_terms + e.abs() / zs + rel_s
+    p1 = e1 / z1[:, None]
+    rel_1 = 1 + tpow * torch.where(e1 == 0, 0.0, p1 * ru).sum(1)
+    ru_t = torch.where(owned, ru.gather(1, safe[:, None])[:, 0], 0.0)
+    out["ce_scale"] = tpow * ru_t + rel_1
+    if w is not None:
+        if reverse:
+            mu = (c / zs)[:, None]
+            g = torch.where(eu == 0, 0.0, p * (u - v - mu))
+            gap = ((u - v).abs() + mu.abs()) * (1 + ru + rel_s[:, None]) + ru + rv + mu.abs()
+            g_scale = torch.where(eu == 0, 0.0, p * gap)
+        else:
+            g = p - q
+            g_scale = p * (1 + ru + rel_s[:, None]) + q * (1 + rv + rel_t[:, None])
+        g = g + hard * tpow * p1
+        g_scale = g_scale + hard * tpow * p1 * (1 + tpow * ru + rel_1[:, None])
+        rows = torch.arange(len(s))[owned]
+        g[rows, safe[owned]] -= hard * tpow
+        g_scale[rows, safe[owned]] += hard * tpow
+        out["grad"] = g * w.to(dtype)[:, None]
+        out["grad_scale"] = g_scale * w.abs().to(dtype)[:, None]
+    return out
+
+
+def _raises(a: torch.Tensor) -> int:
+    """The most times a row's running max over blocks of 64 classes grows past the first
+    block (the class-major loops rescale their sums then)."""
+    blocks = torch.stack([part.amax(1) for part in a.double().split(64, dim=1)], 1)
+    running = blocks.cummax(1).values
+    return int((running[:, 1:] > running[:, :-1]).sum(1).max()) if blocks.shape[1] > 1 else 0
+
+
+def _online(class_major: bool, s, t, cs: float, ct: float) -> float:
+    """3 eps(fp32), the sums' bound, and on class-major tiles 3 eps(fp32) more per raise of
+    the student's and the teacher's running maxima (see _check_pair)."""
+    if not class_major:
+        return 3 * eps(torch.float32)
+    raises = _raises(s.double() * _fp32(cs)) + _raises(t.double() * _fp32(ct))
+    return 3 * eps(torch.float32) * (1 + raises)
+
+
+def _norm_ratio(scale: torch.Tensor, value: torch.Tensor) -> float:
+    """``‖scale‖ / ‖value‖``: how far a value formed from terms of these magnitudes
+    amplifies their rounding (its condition)."""
+    return (scale.double().norm() / value.double().norm()).item()
+
+
+def _pair_call(loops, s, t, case, w):
+    target, hard, power = case["target"], case["hard"], case["power"]
+    return loops.pair_(
+        s, t, student_scale=case["cs"], teacher_scale=case["ct"], reverse=case["reverse"],
+        entropy=case["entropy"], target=target, hard=hard, power=power, weight=w,
+    )  # fmt: skip
+
+
+def _pair_sums(got) -> dict:
+    """pair_'s sums by :func:`_pair_formula`'s names."""
+    zs, zt, c = got.sum_exp, got.teacher_sum_exp, got.cross
+    return dict(zs=zs, zt=zt, cross=c, dot=got.dot, z1=got.z_1, ut=got.target_u)
+
+
+def _pair_derived(got, reverse, power) -> dict:
+    """What a head forms from pair_'s sums (the divergence, the entropy, the hard term's
+    cross-entropy), in float64, so that only the loops' sums carry an error."""
+    zs, zt, c = (x.double() for x in (got.sum_exp, got.teacher_sum_exp, got.cross))
+    z_div, z_other = (zs, zt) if reverse else (zt, zs)
+    divergence = c / z_div - z_div.log() + z_other.log()
+    z1 = got.z_1.double() if power > 0 else zs
+    tpow = power if power > 0 else 1.0
+    return dict(
+        divergence=divergence,
+        entropy=zs.log() - got.dot.double() / zs,
+        ce=z1.log() - tpow * got.target_u.double(),
+    )
+
+
+def _check_pair(loops, layout, s, t, s_out, case, w):
+    """pair_ on ``s``, ``t`` against float64: the maxima exact; every sum and what a head
+    forms from them (divergence, entropy, hard cross-entropy) at fp32's bound; the
+    gradient (with ``w``) at the tile's; the teacher's tile and everything past the
+    student's untouched. Returns the sums."""
+    dtype, cm = _FUSED_LAYOUTS[layout]
+    x, teacher = s.clone(), t.clone()
+    args = (case["cs"], case["ct"], case["reverse"], case["target"], case["hard"], case["power"])
+    got = _pair_call(loops, s, t, case, w)
+    assert torch.equal(t, teacher), "pair_ wrote over the teacher's tile"
+    assert s_out.isnan().all(), "pair_ wrote past the student's tile"
+    exact = _pair_formula(x, t, *args, w, torch.float64)
+    # The maxima are exact: x (a bf16/fp16/fp32 value) times an fp32 scale is exact in
+    # float64, the fp32 product its one rounding (as in _check_stats).
+    exact_max = (x.double() * _fp32(case["cs"])).amax(1).float()
+    assert torch.equal(got.row_max, exact_max)
+    assert torch.equal(got.teacher_max, (t.double() * _fp32(case["ct"])).amax(1).float())
+    # The sums relative to the loops' maxima, which the head's lse adds back.
+    at = _pair_formula(x, t, *args, None, torch.float64, got.row_max, got.teacher_max)
+    same = _pair_formula(x, t, *args, w, torch.float32, exact_max, got.teacher_max)
+    # Class-major: each block of 64 classes that raises a row's max multiplies the sums
+    # so far by e^(−Δm) (an exp within 2 ulp, and one rounding): 3 eps(fp32) more per raise
+    # of the student's and the teacher's maxima (HYPOTHESIS_PROFILE=long: Zs 3.5 eps over
+    # one row of 1340 classes, spread 10).
+    online = _online(cm, x, t, case["cs"], case["ct"])
+    checks = [(k, v, at[k], same[k]) for k, v in _pair_sums(got).items()]
+    checks += [(k, v, exact[k], same[k]) for k, v in _pair_derived(got, *args[2:6:3]).items()]
+    for name, value, want, plain in checks:
+        if name == "dot" and not case["entropy"]:
+            assert (value == 0).all(), name
+            continue
+        if (name == "entropy" and not case["entropy"]) or (name == "ce" and case["target"] is None):
+            continue
+        if name == "ut" and case["target"] is None:
+            assert (value == 0).all(), name
+            continue
+        if name == "z1" and case["power"] == 0:
+            assert (value == 0).all(), name
+            continue
+        rows = slice(None)
+        if name == "ce":
+            # The cross-entropy where the row's target is here (log Z alone, without its
+            # max, is not the same number for another max).
+            rows = case["target"] >= 0
+            if not rows.any():
+                continue
+        # fp32 sums of fp32 exponentials of u = x·c − m (and what the head forms of them):
+        # 3 eps(fp32), or twice torch's own fp32 expression's error (the divergence's: the
+        # larger of its two plain forms). Where a value's terms cancel or a log takes a sum
+        # near 1 (C = Σ e^v (v − u); the divergence C/Zt − log Zt + log Zs, small where the
+        # two softmaxes are near; entropy and cross-entropy near 0 where the softmax is
+        # peaked, log Z ≈ 0 holding Z's relative rounding as an absolute one), each term
+        # keeps its own rounding, not the value's: 3 eps(fp32) of the norm of the terms'
+        # magnitudes (_pair_formula's scales). The plain error alone was not enough: one row
+        # of 2 classes, the divergence 4.3e-7 where the plain expression's was 1.8e-7; one
+        # peaked row of 64 classes, the entropy 6.2e-7 where the plain's was 1.8e-7.
+        value, want, plain = value[rows], want[rows], plain[rows]
+        bound = max(online, 2 * rel_err(plain, want))
+        if name == "divergence":
+            bound = max(bound, 2 * rel_err(same["softmax_form"], want))
+        if name in ("cross", "divergence", "entropy", "ce"):
+            scale = (at if name == "cross" else exact)[f"{name}_scale"][rows]
+            bound = max(bound, online * _norm_ratio(scale, want))
+        err = rel_err(value, want)
+        assert err <= bound, f"pair {layout} {name}: {err:.3g} > {bound:.3g}"
+    if w is not None:
+        # As _check_grad: the exact gradient rounded once to the tile's dtype, within
+        # twice that rounding's error, 3 eps of the dtype, or twice torch's plain fp32
+        # expression rounded to the dtype; where the gradient's terms cancel (p − q, the
+        # reverse p (u − v − μ), the hard term's −hT' at the target), 3 eps(fp32) of the
+        # norm of their magnitudes, as the sums above.
+        g, plain = exact["grad"], same["grad"].to(dtype)
+        bound = max(3 * eps(dtype), 2 * rel_err(g.to(dtype), g), 2 * rel_err(plain, g))
+        bound = max(bound, online * _norm_ratio(exact["grad_scale"], g))
+        err = rel_err(s, g)
+        assert err <= bound, f"pair {layout} grad: {err:.3g} > {bound:.3g}"
+    else:
+        assert torch.equal(s, x), "pair_ without a weight wrote a gradient"
+    return got
+
+
+@st.composite
+def _pair_cases(draw):
+    return dict(
+        # 16 rows to a class-major vector and a thread's share: fewer, more, not multiples.
+        rows=draw(st.one_of(st.sampled_from([1, 15, 17, 40]), st.integers(1, 40))),
+        # Fewer than the 64 partial sums (row-major) or a block of 64 classes (class-major),
+        # and not multiples of 64.
+        classes=draw(st.one_of(st.integers(1, 70), st.integers(64, 2000))),
+        pads=draw(st.sampled_from([(0, 0), (3, 64), (64, 5)])),
+        cs=draw(st.sampled_from([1.0, 0.5, 1 / 0.7])),
+        ct=draw(st.sampled_from([1.0, 0.8, 1 / 0.7])),
+        spread=draw(st.sampled_from([0.3, 3.0, 10.0])),
+        reverse=draw(st.booleans()),
+        entropy=draw(st.booleans()),
+        hard=draw(st.sampled_from(list(_PAIR_HARD))),
+        weight=draw(st.booleans()),
+        threads=draw(st.sampled_from([1, 2])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _pair_case(case, rows, classes):
+    """The call's arguments of a drawn case: its target, hard weight and power."""
+    kind, hard, power = _PAIR_HARD[case["hard"]]
+    target = None if kind == "absent" else _targets(rows, classes, case["seed"], kind)
+    return {**case, "target": target, "hard": hard, "power": power}
+
+
+_PAIR_EDGE = dict(
+    rows=37, classes=129, pads=(3, 64), cs=1 / 0.7, ct=0.8, spread=10.0, reverse=True,
+    entropy=True, hard="hard-power", weight=True, threads=2, seed=5,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
+@settings(max_examples=max(1, settings().max_examples // 2))
+@given(case=_pair_cases())
+@example(case=_PAIR_EDGE)
+@example(case={**_PAIR_EDGE, "reverse": False, "hard": "hard"})
+@example(case={**_PAIR_EDGE, "rows": 17, "classes": 63, "hard": "hard-all", "pads": (0, 0)})
+@example(case={**_PAIR_EDGE, "rows": 1, "classes": 1, "hard": "none", "entropy": False})
+@example(case={**_PAIR_EDGE, "classes": 1000, "hard": "hard-power-half", "reverse": False})
+# Found by HYPOTHESIS_PROFILE=long: class-major Zs 3.5 eps (its rescalings; see _check_pair).
+@example(
+    case={**_PAIR_EDGE, "rows": 1, "classes": 1340, "pads": (0, 0), "cs": 1.0, "ct": 1.0,
+          "reverse": False, "entropy": False, "hard": "none", "weight": False, "threads": 1,
+          "seed": 45400}
+)  # fmt: skip
+def test_pair_against_float64(layout, case):
+    """pair_ (forward and reverse KL, the entropy's sum or not, the hard term with and
+    without its own normaliser, some targets -1, a weight or none) for bf16, fp16, fp32
+    row-major tiles and fp32 class-major ones, slices of wider buffers with different
+    strides for the student and the teacher, rows split over 1 or 2 threads: the maxima
+    exact, sums and what a head forms from them at fp32's bound, the gradient at the
+    tile's."""
+    dtype, class_major = _FUSED_LAYOUTS[layout]
+    loops = _loops(dtype)
+    rows, classes = case["rows"], case["classes"]
+    s_out, s, _, t = _pair_tiles(layout, rows, classes, case["spread"], case["seed"], case["pads"])
+    if classes > 1:  # one class: a row-major tile's row stride is 1 as well (either way)
+        assert loops.class_major(s) == class_major == loops.class_major(t)
+    call = _pair_case(case, rows, classes)
+    w = torch.randn(rows, generator=torch.Generator().manual_seed(case["seed"] + 7))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(case["threads"])
+        _check_pair(loops, layout, s, t, s_out, call, w if case["weight"] else None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _copy_in_layout(tile: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tile`` in its layout (``clone`` makes a row-major copy of a class-major
+    slice of a wider buffer)."""
+    return tile.T.contiguous().T if tile.stride(0) == 1 else tile.clone()
+
+
+def _pair_args(**change) -> dict:
+    """A pair_ call's keyword arguments: entropy, a hard term with its own normaliser."""
+    return dict(student_scale=1.0, teacher_scale=1.0, reverse=False, entropy=True) | change
+
+
+@pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_pair_masked_student_classes(layout, reverse):
+    """Student classes masked (-inf): where the teacher has mass there too the forward KL
+    is +inf (as the plain expression's), the reverse KL its finite limit (p = 0 there adds
+    nothing); where the teacher's same classes are masked both are finite; the entropy
+    finite. The gradient on masked classes is 0 where p and q both are (reverse: wherever
+    p is, the limit of p·(u − v − μ)), else the forward KL's −w·q; every other value at the
+    bound of test_pair_against_float64. A whole block of 64 masked, not the first; and the
+    first (the class-major kernel's first block)."""
+    dtype, class_major = _FUSED_LAYOUTS[layout]
+    loops = _loops(dtype)
+    rows, classes = 20, 150
+    s_out, s, _, t = _pair_tiles(layout, rows, classes, 3.0, 47, (3, 5))
+    s[0, ::3] = -math.inf  # the teacher has mass there: forward KL +inf
+    s[2, 70:] = -math.inf
+    s[18, 64:128] = -math.inf
+    s[19, :64] = -math.inf
+    for i in (2, 18, 19):  # the teacher masked where the student is: both finite
+        t[i][s[i].isinf()] = -math.inf
+    target = _targets(rows, classes, 47, "some")
+    target[:3] = torch.tensor([1, 5, 3])
+    masked = s.isinf()
+    w = torch.randn(rows, generator=torch.Generator().manual_seed(47))
+    x = s.clone()
+    online = _online(class_major, x, t, 1.0, 1.0)
+    got = loops.pair_(s, t, **_pair_args(reverse=reverse), target=target, hard=0.5, weight=w)
+    assert s_out.isnan().all() and not s.isnan().any()
+    divergence = _pair_derived(got, reverse, 0.0)["divergence"]
+    if reverse:
+        assert divergence.isfinite().all()
+    else:
+        assert divergence[0] == math.inf and divergence[1:].isfinite().all()
+    assert got.dot.isfinite().all() and got.sum_exp.isfinite().all()
+    exact = _pair_formula(x, t, 1.0, 1.0, reverse, target, 0.5, 0.0, w, torch.float64)
+    teacher_mass = (t.double() - t.double().amax(1, keepdim=True)).exp() > 0
+    # A masked target's gradient is the hard term's one-hot alone: −w·h.
+    owned = target >= 0
+    at_target = torch.zeros_like(masked)
+    at_target[torch.arange(rows)[owned], target[owned]] = True
+    hit = masked & at_target
+    assert hit.any()
+    assert torch.equal(s[hit], (-0.5 * w[hit.nonzero()[:, 0]]).to(dtype))
+    assert (s[masked & ~teacher_mass & ~at_target] == 0).all()
+    if reverse:
+        assert (s[masked & ~at_target] == 0).all()
+    # The rows of finite outputs at the house bound, the gradient everywhere (a +inf
+    # divergence's gradient is finite, the float64 limit).
+    finite = divergence.isfinite()
+    want = exact["divergence"][finite]
+    bound = max(online, online * _norm_ratio(exact["divergence_scale"][finite], want))
+    # (as _check_pair's divergence)
+    assert rel_err(divergence[finite], want) <= bound
+    g = exact["grad"]
+    assert g.isfinite().all()
+    bound = max(
+        3 * eps(dtype),
+        2 * rel_err(g.to(dtype), g),
+        online * _norm_ratio(exact["grad_scale"], g),
+    )  # as _check_pair's gradient
+    assert rel_err(s, g) <= bound
+
+
+@pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_pair_nan_logit(layout, reverse):
+    """A NaN logit, in the student's tile (row 1) or the teacher's (row 18), makes every
+    sum and the whole gradient of its row NaN; the other rows (both sides of a 16-row
+    boundary) are the bits of the same call without those rows' NaN."""
+    dtype, _ = _FUSED_LAYOUTS[layout]
+    loops = _loops(dtype)
+    rows, classes = 20, 100
+    s_out, s, _, t = _pair_tiles(layout, rows, classes, 2.0, 53, (3, 0))
+    clean_s, clean_t = _copy_in_layout(s), _copy_in_layout(t)
+    s[1, 40] = math.nan
+    t[18, 99] = math.nan
+    bad = torch.zeros(rows, dtype=torch.bool)
+    bad[[1, 18]] = True
+    target = _targets(rows, classes, 53, "all")
+    w = torch.randn(rows, generator=torch.Generator().manual_seed(53))
+    kwargs = _pair_args(reverse=reverse) | dict(target=target, hard=0.5, power=2.0, weight=w)
+    got = loops.pair_(s, t, **kwargs)
+    clean = loops.pair_(clean_s, clean_t, **kwargs)
+    for name in ("row_max", "sum_exp", "teacher_max", "teacher_sum_exp", "cross", "dot", "z_1"):
+        value = getattr(got, name)
+        assert torch.equal(value.isnan(), bad), name
+        assert torch.equal(value[~bad], getattr(clean, name)[~bad]), name
+    assert got.target_u[bad].isnan().all()
+    assert torch.equal(got.target_u[~bad], clean.target_u[~bad])
+    assert s[bad].isnan().all() and torch.equal(s[~bad], clean_s[~bad])
+    assert s_out.isnan().all()
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("rows, classes", [(17, 130), (40, 1000), (5, 50)])
+def test_pair_layouts_agree(reverse, rows, classes):
+    """pair_ on fp32 class-major tiles and on the same values row-major: the same maxima,
+    sums and gradient to rounding."""
+    loops = _loops(torch.float32)
+    _, s, _, t = _pair_tiles("f32-class-major", rows, classes, 4.0, 59, (3, 7))
+    rs, rt = (a.clone(memory_format=torch.contiguous_format) for a in (s, t))
+    assert not loops.class_major(rs) and loops.class_major(s)
+    x = rs.clone()
+    # Each layout within its bound of the exact values (_check_pair), so within their sum
+    # of each other: class-major's counts its rescalings.
+    both = _online(False, x, rt, 1 / 0.7, 0.8) + _online(True, x, rt, 1 / 0.7, 0.8)
+    target = _targets(rows, classes, 59, "some")
+    w = torch.randn(rows, generator=torch.Generator().manual_seed(59))
+    kwargs = _pair_args(reverse=reverse, student_scale=1 / 0.7, teacher_scale=0.8)
+    kwargs |= dict(target=target, hard=0.5, power=1.5, weight=w)
+    row_major = loops.pair_(rs, rt, **kwargs)
+    class_major = loops.pair_(s, t, **kwargs)
+    for name in ("row_max", "teacher_max"):
+        assert torch.equal(getattr(class_major, name), getattr(row_major, name)), name
+    args = (1 / 0.7, 0.8, reverse, target, 0.5, 1.5, w, torch.float64)
+    at = _pair_formula(x, rt, *args, row_major.row_max, row_major.teacher_max)
+    sums = (("sum_exp", "zs"), ("teacher_sum_exp", "zt"), ("dot", "dot"), ("z_1", "z1"))
+    for name, key in (*sums, ("cross", "cross")):
+        # Summed in another order (class-major: per block of 64 classes, rescaled as the
+        # max grows): each within its bound of the exact sum, relative to its terms'
+        # magnitudes where they cancel (C; test_pair_against_float64).
+        bound = both * (_norm_ratio(at["cross_scale"], at[key]) if name == "cross" else 1)
+        err = rel_err(getattr(class_major, name), getattr(row_major, name))
+        assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
+    # u_t = x·c − m: each within an ulp of |x·c| (as test_fused_agrees_with_stats_and_grad).
+    assert rel_err(class_major.target_u, row_major.target_u) <= 4 * eps(torch.float32)
+    # The gradients: each within test_pair_against_float64's bound of the exact one.
+    g = at["grad"]
+    assert rel_err(s, rs) <= both * max(1, _norm_ratio(at["grad_scale"], g))
+
+
+def test_pair_layout_mismatch_is_an_error():
+    """The two tiles of a pair_ call in different layouts (one class-major, one not), or of
+    different shapes: a ValueError naming the call, not a read at the wrong strides."""
+    loops = _loops(torch.float32)
+    _, s, _, t = _pair_tiles("f32-class-major", 17, 130, 3.0, 61, (0, 0))
+    row_major = t.clone(memory_format=torch.contiguous_format)
+    for student, teacher in ((s, row_major), (row_major, s), (s, t[:16]), (s, t[:, :129])):
+        with pytest.raises(ValueError, match=r"native_rows\.pair_: the teacher's tile"):
+            loops.pair_(student, teacher, **_pair_args())
+    half = _loops(torch.bfloat16)
+    with pytest.raises(ValueError, match="row-major"):
+        half.pair_(s.bfloat16(), row_major.bfloat16().T.contiguous().T, **_pair_args())
+
+
+@pytest.mark.parametrize("layout", ["bf16", "f32-class-major"])
+def test_pair_split_over_threads(layout):
+    """pair_'s rows (37, not a multiple of 16) split over 1, 2 and 3 threads: every row's
+    sums and gradient the same bits."""
+    dtype, _ = _FUSED_LAYOUTS[layout]
+    loops = _loops(dtype)
+    rows, classes = 37, 300
+    _, s, _, t = _pair_tiles(layout, rows, classes, 3.0, 67, (5, 0))
+    target = _targets(rows, classes, 67, "some")
+    w = torch.randn(rows, generator=torch.Generator().manual_seed(67))
+    kwargs = _pair_args(reverse=True) | dict(target=target, hard=0.5, power=2.0, weight=w)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            work = _copy_in_layout(s)
+            got = loops.pair_(work, t, **kwargs)
+            results.append([*dataclasses.astuple(got), work])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for one, many in zip(results[0], other, strict=True):
+            assert torch.equal(one, many)

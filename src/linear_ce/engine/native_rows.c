@@ -636,7 +636,8 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
                 c[k] = zs[k] == 0.0f ? c[k] : rs * (c[k] - (ds - dt) * zs[k]);
             else if (mode == 0)
                 c[k] = zt[k] == 0.0f ? c[k] : rt * (c[k] - (dt - ds) * zt[k]);
-            d[k] = zs[k] == 0.0f ? d[k] : rs * (d[k] - ds * zs[k]);
+            /* The entropy's sum only where asked: else it stays 0, as the row-major loop's. */
+            d[k] = !entropy || zs[k] == 0.0f ? d[k] : rs * (d[k] - ds * zs[k]);
             z1[k] *= exp_nonpositive(-power * ds);
             zs[k] *= rs;
             zt[k] *= rt;
