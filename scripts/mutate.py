@@ -1707,9 +1707,43 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
 
 _PAIR_TESTS = ("tests/test_native_rows.py", "-k", "pair")
 _PAIR_CALL_TESTS = ("tests/test_divergence.py", "-k", "pair_loops")
+_PAIR_MIXTURE_TESTS = ("tests/test_native_rows.py", "-k", "pair_mixture")
 _CHUNK_LOOP = "src/linear_ce/engine/chunk_loop.py"
 
 _PAIR_LOOPS: tuple[Mutation, ...] = (
+    Mutation(
+        "pair_loops",
+        "the mixture's log1p without the bits 1 + y rounds off (y / ((1 + y) - 1))",
+        _NATIVE_C,
+        (("return d == 0.0f ? y : log_x * (y / d);", "return log_x;"),),
+        _PAIR_MIXTURE_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major mixture: delta's shift takes log((1 - beta) / beta), not its inverse",
+        _NATIVE_C,
+        (
+            (
+                "float shift = logf(zs[0]) - logf(zt[0]) + log_beta - log_rest;",
+                "float shift = logf(zs[0]) - logf(zt[0]) - log_beta + log_rest;",
+            ),
+        ),
+        _PAIR_MIXTURE_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "class-major mixture: the teacher's late sum C2 never added",
+        _NATIVE_C,
+        (("                c2[k] += pt[k];\n", ""),),
+        _PAIR_MIXTURE_TESTS,
+    ),
+    Mutation(
+        "pair_loops",
+        "row-major mixture gradient without the (1 - beta) factor",
+        _NATIVE_C,
+        (("as * a * (rest * (ev[j] - mu) + soft)", "as * a * ((ev[j] - mu) + soft)"),),
+        _PAIR_MIXTURE_TESTS,
+    ),
     Mutation(
         "pair_loops",
         "class-major forward KL: the cross sum's shift dropped where a block raises the max",
@@ -1955,13 +1989,6 @@ _PAIR_LOOPS: tuple[Mutation, ...] = (
         "the pair loops taken with a teacher softcap (never applied)",
         _CHUNK_LOOP,
         (("        or companion.transform.softcap is not None\n", ""),),
-        _PAIR_CALL_TESTS,
-    ),
-    Mutation(
-        "pair_loops",
-        "the pair loops taken for the mixture (0 < beta < 1)",
-        _DIVERGENCE_HEAD,
-        (('self.native_pair = self.mode != "mixed"', "self.native_pair = True"),),
         _PAIR_CALL_TESTS,
     ),
 )

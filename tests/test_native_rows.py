@@ -1657,7 +1657,7 @@ def _norm_ratio(scale: torch.Tensor, value: torch.Tensor) -> float:
 def _pair_call(loops, s, t, case, w):
     target, hard, power = case["target"], case["hard"], case["power"]
     return loops.pair_(
-        s, t, student_scale=case["cs"], teacher_scale=case["ct"], reverse=case["reverse"],
+        s, t, student_scale=case["cs"], teacher_scale=case["ct"], beta=float(case["reverse"]),
         entropy=case["entropy"], target=target, hard=hard, power=power, weight=w,
     )  # fmt: skip
 
@@ -1841,9 +1841,10 @@ def _copy_in_layout(tile: torch.Tensor) -> torch.Tensor:
     return tile.T.contiguous().T if tile.stride(0) == 1 else tile.clone()
 
 
-def _pair_args(**change) -> dict:
-    """A pair_ call's keyword arguments: entropy, a hard term with its own normaliser."""
-    return dict(student_scale=1.0, teacher_scale=1.0, reverse=False, entropy=True) | change
+def _pair_args(reverse: bool = False, **change) -> dict:
+    """A pair_ call's keyword arguments: forward KL (``reverse``: reverse KL), entropy."""
+    args = dict(student_scale=1.0, teacher_scale=1.0, beta=float(reverse), entropy=True)
+    return args | change
 
 
 @pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
@@ -2015,3 +2016,79 @@ def test_pair_split_over_threads(layout):
     for other in results[1:]:
         for one, many in zip(results[0], other, strict=True):
             assert torch.equal(one, many)
+
+
+def _hard_grad(a, target, hard, power, w):
+    """The gradient with respect to ``a`` of ``w · hard · CE`` at temperature 1 (logits
+    ``a · T'``, ``T' = power`` or 1), by autograd in ``a``'s dtype; 0 without a target."""
+    if target is None:
+        return torch.zeros_like(a)
+    a = a.detach().requires_grad_()
+    scaled = a * (power if power > 0 else 1.0)
+    ce = -scaled.log_softmax(-1).gather(-1, target[:, None])[:, 0]
+    (grad,) = torch.autograd.grad((hard * ce * w.to(a.dtype)).sum(), a)
+    return grad
+
+
+def _mixture(a, b, beta, target, hard, power, w):
+    """The mixture's divergence ``β KL(q‖r) + (1−β) KL(p‖r)`` of the logits ``a`` (student)
+    and ``b`` (teacher) and the gradient with respect to ``a`` of ``w · (divergence + hard ·
+    CE)``, in ``a``'s dtype, in its stable form: ``log p − log r = −log(1−β) − softplus(δ)``
+    and ``log q − log r = −log β − softplus(−δ)`` from ``δ = log βq − log (1−β)p`` alone
+    (the torch operations' form; the form of differences of logs cancels to ~100× this
+    one's error at β = 0.001 with a near teacher), the gradient ``(1−β) p (g − Σ p g)``."""
+    log_p, log_q = a.log_softmax(-1), b.log_softmax(-1)
+    delta = (log_q + math.log(beta)) - (log_p + math.log1p(-beta))
+    zero = torch.zeros((), dtype=a.dtype)
+    g = -torch.logaddexp(delta, zero) - math.log1p(-beta)
+    hq = -torch.logaddexp(-delta, zero) - math.log(beta)
+    p, q = log_p.exp(), log_q.exp()
+    mean_g = (p * g).sum(-1)
+    div = beta * (q * hq).sum(-1) + (1 - beta) * mean_g
+    grad = w.to(a.dtype)[:, None] * (1 - beta) * p * (g - mean_g[:, None])
+    return div, grad + _hard_grad(a, target, hard, power, w)
+
+
+@pytest.mark.parametrize("beta, noise", [(0.001, 0.3), (0.01, 0.01), (0.3, 3.0), (0.99, 0.3)])
+@pytest.mark.parametrize("hard, power", [(0.0, 0.0), (0.6, 0.0), (0.6, 2.0)])
+@pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
+def test_pair_mixture_against_float64(layout, beta, noise, hard, power):
+    """pair_'s mixture (0 < beta < 1: the softplus terms from delta alone, the late sums
+    C and C2) on every tile layout, a teacher ``noise`` away from the student: the
+    divergence ``β C2/Zt + (1−β) C/Zs`` and the gradient (with the hard term, at T = 1 and
+    with its own normaliser) against float64, within 3 eps of the tile's dtype or twice the
+    error of the same stable form in fp32 on the same logits. A small ``beta`` with a near
+    teacher puts every class where ``βq ≪ (1−β)p``: ``softplus(δ) ≈ e^δ``, whose low bits
+    only ``log1p``'s correction keeps."""
+    dtype, class_major = _FUSED_LAYOUTS[layout]
+    loops = _loops(dtype)
+    rows, classes = 23, 700
+    gen = torch.Generator().manual_seed(71)
+    logits = torch.randn(rows, classes, generator=gen) * 3
+    pair = (logits, logits + noise * torch.randn(rows, classes, generator=gen))
+    s, t = (x.T.contiguous().T if class_major else x.to(dtype) for x in pair)
+    target = torch.randint(0, classes, (rows,), generator=gen) if hard else None
+    w = torch.rand(rows, generator=gen) + 0.5
+    cs, ct = 1 / 0.7, 0.8
+    a, b = s.double() * _fp32(cs), t.double() * _fp32(ct)
+    x = s.clone() if not class_major else s.T.contiguous().T
+    got = loops.pair_(
+        x, t, student_scale=cs, teacher_scale=ct, beta=beta, target=target, hard=hard,
+        power=power, weight=w,
+    )  # fmt: skip
+    zs, zt = got.sum_exp.double(), got.teacher_sum_exp.double()
+    divergence = beta * got.teacher_cross.double() / zt + (1 - beta) * got.cross.double() / zs
+    exact = _mixture(a, b, beta, target, hard, power, w)
+    same = _mixture(a.float(), b.float(), beta, target, hard, power, w)
+    online = _online(class_major, s, t, cs, ct) / (3 * eps(torch.float32))
+    for name, value, want, plain in (
+        ("divergence", divergence, exact[0], same[0]),
+        ("gradient", x, exact[1], same[1]),
+    ):
+        # A half tile's gradient is rounded to its dtype: twice that rounding of the exact
+        # gradient is the bound where it is larger. On class-major tiles each raise of a
+        # running max rounds the sums once more (_online: 1 + raises times the bound).
+        rounded = rel_err(want.to(x.dtype), want) if name == "gradient" else 0.0
+        bound = max(3 * eps(x.dtype), 2 * rel_err(plain, want), 2 * rounded) * online
+        err = rel_err(value, want)
+        assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
