@@ -225,6 +225,19 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "loss",
+        "a half sum in the result takes the mean's power of two on x, the rest in a pass",
+        "src/linear_ce/engine/accumulate.py",
+        (
+            (
+                'if scale is not None and gemm.operand_dtype == dtype and scale.device.type == "cpu":',
+                "if scale is not None and dtype not in HALF_DTYPES and gemm.operand_dtype == dtype"
+                ' and scale.device.type == "cpu":',
+            ),
+        ),
+        ("tests/test_precision.py", "-k", "mean_in_its_gemm"),
+    ),
+    Mutation(
+        "loss",
         "a mean's scale is not taken into the weight gradient's GEMMs",
         "src/linear_ce/engine/accumulate.py",
         (("            self._alpha = float(scale)\n", ""),),

@@ -519,3 +519,25 @@ def test_mean_scale_in_the_weight_gradient_products(monkeypatch, native, dtype) 
         # The house bound: 3 eps, or twice the plain same-dtype expression's own error.
         bound = max(3 * eps(dtype), 2 * rel_err(p, e))
         assert rel_err(g, e) <= bound, (name, rel_err(g, e), bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_sum_takes_the_mean_in_its_gemm(dtype):
+    """A half weight-gradient sum held in the result, with half operands and the mean's
+    scale on the CPU, takes 1/count as its GEMMs' alpha: applied to their fp32 sums before
+    the one rounding, so the result is the exact scaled product rounded once (its floor,
+    within 10%: the GEMM's own fp32 sums), and ``finish`` makes no pass over it. The power
+    of two on x's side and the rest in ``finish`` rounded twice: 1.4x that floor."""
+    from linear_ce.engine.accumulate import DirectSum
+    from linear_ce.engine.gemm import NativeHalf
+
+    gen = torch.Generator().manual_seed(9)
+    g = (torch.randn(490, 2048, generator=gen, dtype=torch.float64) / 100).to(dtype)
+    x = torch.randn(490, 64, generator=gen, dtype=torch.float64).to(dtype)
+    scale = torch.tensor(1 / 490)
+    total = DirectSum(torch.empty((2048, 1, 64), dtype=dtype), NativeHalf(dtype), scale=scale)
+    total.add(0, g, x)
+    got = total.finish(scale)
+    exact = (g.double().T @ x.double() / 490)[:, None, :]
+    floor = rel_err(exact.to(dtype), exact)
+    assert rel_err(got, exact) <= 1.1 * floor
