@@ -224,6 +224,18 @@ _LOSS: tuple[Mutation, ...] = (
         ("tests/test_precision.py", "-k", "sum_in_the_result"),
     ),
     Mutation(
+        "machine_plan",
+        "the bench's distillation note: the pair tiles' dtype taken from the plan's input",
+        "src/linear_ce/bench/variants.py",
+        (
+            (
+                '        dtype = str(pair.dtype).removeprefix("torch.")\n',
+                '        dtype = str(plan.input_dtype).removeprefix("torch.")\n',
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "distillation_plan"),
+    ),
+    Mutation(
         "loss",
         "a half sum in the result takes the mean's power of two on x, the rest in a pass",
         "src/linear_ce/engine/accumulate.py",

@@ -529,6 +529,32 @@ def test_bench_reports_the_plan_and_its_rates(monkeypatch):
     assert info["settings"][machine.MEASURE_ENV] == "process"
 
 
+@pytest.mark.parametrize(
+    "dtype, native, half, note",
+    [
+        ("fp32", "1", "1", "float32 class-major tiles, SameDtype, compiled pair row loops"),
+        ("fp32", "0", "1", "class-major, SameDtype, torch row loops"),
+        ("bf16", "1", "1", "bfloat16 row-major tiles, NativeHalf, compiled pair row loops"),
+        ("bf16", "1", "0", "float32 class-major tiles, BlockUpcast, compiled pair row loops"),
+    ],
+)
+def test_bench_reports_the_distillation_plan(monkeypatch, dtype, native, half, note):
+    """The bench's distillation row names the plan the call ran: its chunks of the valid
+    rows, and whether the compiled pair loops took its tiles (in which dtype)."""
+    from linear_ce.bench.config import Point
+    from linear_ce.bench.variants import describe_divergence_plan, plan_note
+    from linear_ce.engine.capability import NATIVE_HALF_GEMM_ENV
+
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", native)
+    monkeypatch.setenv(machine.TILE_LAYOUT_ENV, "class-major")
+    monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, half)
+    monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "16")
+    plan = describe_divergence_plan(Point(64, 16, 256, dtype, "cpu", head="divergence"))
+    assert plan_note(plan) == f"4×16 rows, {note}"
+    assert plan["row_loops"] == ("compiled pair" if native == "1" else "torch")
+
+
 # --- the same result under every choice ----------------------------------------------------
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "SWEEP_ONLY",
     "VARIANTS",
     "Variant",
+    "describe_divergence_plan",
     "describe_plan",
     "dpo_scored",
     "make_inputs",
@@ -477,6 +478,44 @@ def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
     }
 
 
+def describe_divergence_plan(point: Point) -> dict:
+    """The plan ``linear_ce.linear_divergence`` ran at ``point`` (its default options): the
+    call made once more on the point's inputs, its chunk loop watched; where the compiled
+    pair loops took its tiles (:func:`linear_ce.engine.chunk_loop._native_pair`), the
+    layout says so and in which dtype. No fixed rule or rates beside it: the loop's chunks
+    are the budget's longest (``DIVERGENCE_SHARE``), not a measured choice."""
+    import linear_ce
+    from linear_ce.engine import chunk_loop
+
+    seen = []
+    original = chunk_loop.run_chunks
+
+    def watched(input, weight, bias, head, transform, plan, **kwargs):
+        vocab, companion = kwargs.get("vocab"), kwargs.get("companion")
+        pair = chunk_loop._native_pair(
+            input, plan.acc_dtype, head, transform, vocab, bias, companion, plan.gemm
+        )
+        seen.append((plan, pair))
+        return original(input, weight, bias, head, transform, plan, **kwargs)
+
+    x, w, t = make_inputs(point)
+    xt, wt = _teacher(x, w)
+    chunk_loop.run_chunks = watched
+    try:
+        linear_ce.linear_divergence(x.requires_grad_(), w.requires_grad_(), xt, wt, t).backward()
+    finally:
+        chunk_loop.run_chunks = original
+    plan, pair = seen[0]
+    fields = _plan_fields(plan, int((t != -100).sum()))
+    if pair is not None:
+        dtype = str(pair.dtype).removeprefix("torch.")
+        layout = fields["layout"] if pair.dtype == plan.acc_dtype else "row-major"
+        fields |= {"layout": f"{dtype} {layout} tiles", "row_loops": "compiled pair", "exp": None}
+    else:
+        fields["row_loops"] = "torch"
+    return {**fields, "fixed_rule": fields, "chunk_rates": {}, "half_speedup": None}
+
+
 def _plan_fields(plan, rows: int) -> dict:
     half_tile = plan.rows_per_step < plan.rows_per_chunk
     return {
@@ -801,6 +840,7 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "linear_ce.linear_divergence(beta=0), mean (4 GEMMs)",
             ("divergence",),
+            describe=describe_divergence_plan,
         ),
         Variant(
             "divergence-trl",
