@@ -224,6 +224,18 @@ _LOSS: tuple[Mutation, ...] = (
         ("tests/test_precision.py", "-k", "sum_in_the_result"),
     ),
     Mutation(
+        "native_rows",
+        "the OpenMP region's row ranges leave the last row of each out",
+        "src/linear_ce/engine/native_rows.c",
+        (
+            (
+                "int64_t r1 = range_start(lo, hi, k + 1, threads, align);",
+                "int64_t r1 = range_start(lo, hi, k + 1, threads, align) - 1;",
+            ),
+        ),
+        ("tests/test_native_rows.py", "-k", "openmp_region"),
+    ),
+    Mutation(
         "machine_plan",
         "the bench's distillation note: the pair tiles' dtype taken from the plan's input",
         "src/linear_ce/bench/variants.py",

@@ -2092,3 +2092,42 @@ def test_pair_mixture_against_float64(layout, beta, noise, hard, power):
         bound = max(3 * eps(x.dtype), 2 * rel_err(plain, want), 2 * rounded) * online
         err = rel_err(value, want)
         assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_openmp_region_and_thread_pool_agree(threads):
+    """The kernels split their rows in the library's OpenMP region where it has one, else
+    over the module's thread pool: both give the same bits (stats, gradient, fused, pair),
+    for row counts that split unevenly and class-major runs of 16 rows."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for openmp in (True, False):
+            loops = _loops(torch.bfloat16)
+            if openmp and not loops.openmp:
+                pytest.skip("this build of the loops has no OpenMP")
+            loops.openmp = openmp
+            fp32 = _loops(torch.float32)
+            fp32.openmp = openmp
+            gen = torch.Generator().manual_seed(5)
+            tile = (torch.randn(37, 300, generator=gen) * 3).bfloat16()
+            cm = (torch.randn(300, 37, generator=gen) * 3).T
+            teacher = (torch.randn(300, 37, generator=gen) * 3).T
+            target = torch.randint(0, 300, (37,), generator=gen)
+            w = torch.rand(37, generator=gen)
+            stats = loops.stats(tile, target=target, dot=True)
+            grad = loops.grad_(tile.clone(), stats.row_max, w, target=target, gamma=-w)
+            fused = tile.clone()
+            fused_sums = loops.fused_(fused, target, w, w * 0, -w)
+            pair = cm.T.contiguous().T
+            pair_sums = fp32.pair_(pair, teacher, student_scale=1.0, teacher_scale=1.0, beta=1.0,
+                                   entropy=True, weight=w)  # fmt: skip
+            results.append(
+                [*dataclasses.astuple(stats)[:2], stats.dot, stats.target_u, grad, fused,
+                 *dataclasses.astuple(fused_sums)[:2], pair, *dataclasses.astuple(pair_sums)]
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -788,3 +788,68 @@ int lce_pair_cm_f32(float* s, int64_t lds, const float* t, int64_t ldt, int64_t 
     free(work);
     return 0;
 }
+
+/* The kernels over rows [r0, r1) split into `threads` ranges (starts multiples of `align`:
+ * a class-major tile's runs of 16 rows), run in an OpenMP parallel region where the build
+ * has OpenMP (lce_openmp): the runtime torch's own GEMMs use (libgomp, found loaded by its
+ * name), whose workers spin for a while after each GEMM and would take a core from any
+ * other thread; a plain build runs the ranges in turn. Each returns non-zero where a range
+ * found no memory for its scratch. */
+#define UNPACK(...) __VA_ARGS__
+static inline int64_t range_start(int64_t lo, int64_t hi, int k, int threads, int64_t align) {
+    int64_t at = lo + (hi - lo) * k / threads / align * align;
+    return k == threads ? hi : at < hi ? at : hi;
+}
+#define PARALLEL(NAME, CALL, PARAMS, ARGS)                                                  \
+    int NAME##_par(int threads, int64_t align, UNPACK PARAMS) {                             \
+        int failed = 0;                                                                     \
+        int64_t lo = r0, hi = r1;                                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)") \
+        for (int k = 0; k < threads; ++k) {                                                 \
+            int64_t r0 = range_start(lo, hi, k, threads, align);                            \
+            int64_t r1 = range_start(lo, hi, k + 1, threads, align);                        \
+            if (r1 > r0) failed |= CALL(NAME(UNPACK ARGS));                                 \
+        }                                                                                   \
+        return failed;                                                                      \
+    }
+#define RETURNS(x) ((x) != 0)
+#define VOID(x) ((x), 0)
+#define STATS_PARAMS(T) (const T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V,       \
+                         float scale, const int64_t* target, float* row_max, float* sum_exp,  \
+                         float* dot, float* target_u)
+#define STATS_ARGS (tile, ld, r0, r1, V, scale, target, row_max, sum_exp, dot, target_u)
+#define GRAD_PARAMS(T) (T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale,  \
+                        const float* row_max, const float* a, const float* b, const float* mu, \
+                        const int64_t* target, const float* gamma)
+#define GRAD_ARGS (tile, ld, r0, r1, V, scale, row_max, a, b, mu, target, gamma)
+#define FUSED_PARAMS(T) (T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, float scale, \
+                         const int64_t* target, const float* c0, const float* c1,             \
+                         const float* gamma, float* row_max, float* sum_exp, float* target_u)
+#define FUSED_ARGS (tile, ld, r0, r1, V, scale, target, c0, c1, gamma, row_max, sum_exp, target_u)
+#define PAIR_PARAMS(T) (T* s, int64_t lds, const T* t, int64_t ldt, int64_t r0, int64_t r1,   \
+                        int64_t V, float cs, float ct, float beta, float power, int entropy,  \
+                        const int64_t* target, float h, const float* w, float* out,           \
+                        int64_t ld_out)
+#define PAIR_ARGS (s, lds, t, ldt, r0, r1, V, cs, ct, beta, power, entropy, target, h, w, out, ld_out)
+#define ALL_PARALLEL(NAME, T)                                                               \
+    PARALLEL(lce_stats_##NAME, VOID, STATS_PARAMS(T), STATS_ARGS)                           \
+    PARALLEL(lce_grad_##NAME, VOID, GRAD_PARAMS(T), GRAD_ARGS)                              \
+    PARALLEL(lce_fused_##NAME, RETURNS, FUSED_PARAMS(T), FUSED_ARGS)                        \
+    PARALLEL(lce_pair_##NAME, RETURNS, PAIR_PARAMS(T), PAIR_ARGS)
+
+ALL_PARALLEL(bf16, uint16_t)
+ALL_PARALLEL(f16, _Float16)
+ALL_PARALLEL(f32, float)
+PARALLEL(lce_stats_cm_f32, RETURNS, STATS_PARAMS(float), STATS_ARGS)
+PARALLEL(lce_grad_cm_f32, RETURNS, GRAD_PARAMS(float), GRAD_ARGS)
+PARALLEL(lce_fused_cm_f32, RETURNS, FUSED_PARAMS(float), FUSED_ARGS)
+PARALLEL(lce_pair_cm_f32, RETURNS, PAIR_PARAMS(float), PAIR_ARGS)
+
+/* Whether this build runs the ranges in parallel (OpenMP). */
+int lce_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
