@@ -469,6 +469,32 @@ def test_library_is_cached(monkeypatch, fresh_build):
     assert torch.equal(first.stats(tile).sum_exp, second.stats(tile).sum_exp)
 
 
+def test_compiler_without_openmp_builds_the_thread_pool_form(monkeypatch, fresh_build):
+    """A compiler that rejects ``-fopenmp`` (clang without libomp) builds with
+    ``-fopenmp-simd``: the kernels split their rows over the thread pool, with the same bits
+    as the OpenMP build's."""
+    _need_compiler()
+    real = shutil.which(nr._compiler()[0])
+    cc = _compiler_script(
+        fresh_build,
+        "noompcc",
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "no -fopenmp" >&2; exit 1; }; done\n'
+        f'exec {real} "$@"\n',
+    )
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv(ENV, "1")
+    pool = nr.native_rows(torch.bfloat16)
+    assert pool is not None and not pool.openmp
+    monkeypatch.setenv("CC", real)
+    monkeypatch.setattr(nr, "_library", nr._Library())
+    region = nr.native_rows(torch.bfloat16)
+    if not region.openmp:
+        pytest.skip(f"{real} has no OpenMP either")
+    tile = (torch.randn(37, 300, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    sums = [dataclasses.astuple(loops.stats(tile, dot=True))[:3] for loops in (pool, region)]
+    assert all(torch.equal(a, b) for a, b in zip(*sums, strict=True))
+
+
 # The chunk loop on both paths.
 
 
