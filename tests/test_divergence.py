@@ -917,7 +917,7 @@ def test_pair_loops_not_taken(monkeypatch, case):
     monkeypatch.setenv("LINEAR_CE_MEASURE", "0")
     monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "1")
     calls = _pair_calls(monkeypatch)
-    dtype, beta = torch.float32, 0.0
+    dtype = torch.float32
     kw: dict = {}
     if case == "loops-off":
         monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "0")
@@ -941,13 +941,13 @@ def test_pair_loops_not_taken(monkeypatch, case):
         # The teacher's logits are formed in its own dtype (a bf16 teacher's rounded to
         # bf16), which the plain expression on float64 inputs does not see: the call is
         # checked to be torch's operations' (LINEAR_CE_NATIVE_ROWS=0), the same bits.
-        got = _pair_check(dtype, beta, v, length=12, against_float64=False, **kw)
+        got = _pair_check(dtype, 0.0, v, length=12, against_float64=False, **kw)
         monkeypatch.setenv("LINEAR_CE_NATIVE_ROWS", "0")
-        want = _pair_check(dtype, beta, v, length=12, against_float64=False, **kw)
+        want = _pair_check(dtype, 0.0, v, length=12, against_float64=False, **kw)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
     else:
-        _pair_check(dtype, beta, v, length=12, **kw)
+        _pair_check(dtype, 0.0, v, length=12, **kw)
     assert not calls, f"{case}: the pair loops took a call they cannot do"
 
 
@@ -978,7 +978,9 @@ def _pair_check_with(case, v):
         assert rel_err(g, r) <= max(3 * eps(torch.float32), 2 * rel_err(s, r))
 
 
-@pytest.mark.parametrize("path", ["bf16-half-tiles", "f32-class-major", "f32-row-major"])
+@pytest.mark.parametrize(
+    "path", ["bf16-half-tiles", "bf16-fp32-tiles", "f32-class-major", "f32-row-major"]
+)
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5], ids=["forward", "reverse", "mixture"])
 def test_pair_loops_many_chunks(monkeypatch, path, beta):
     """Hundreds of chunks (LINEAR_CE_CHUNK_ROWS=16 over 4000 rows of 8 features, 64

@@ -49,15 +49,16 @@ A :class:`Companion` is a second projection of the same rows (a distillation
 teacher's head): per chunk its logits are formed next to the student's,
 transformed by its own transform, shifted by their row max over every shard
 and handed to the head (``companion_tile``) before the head's row sums. It gets
-no gradient. Where the head says so (``native_pair``: distillation) and both heads' math is the
-compiled loops' (:func:`_native_pair`), the two raw tiles go to the loops' pair kernels
+no gradient. Where the head says so (``native_pair``: distillation) and both heads' math is
+the compiled loops' (:func:`_native_pair`), the two raw tiles go to the loops' pair kernels
 instead (:meth:`~linear_ce.engine.native_rows.NativeRows.pair_`): both rows read once, the
 student's gradient written over its tile; in the input dtype with native half GEMMs (the
 gradient GEMMs' operand, as a half tile), so a bf16 step's row math is not fp32 passes over
 fp32 tiles (bf16 forward KL at N=2048, F=1024, V=32768 on 2 Sapphire Rapids cores: 2.84× →
-1.07× its four bf16 GEMMs, in one process); no third tile for the mixture. A head with ``late_sums`` has row sums that need the normalisers
-``Z`` themselves (a mixture of two distributions): they are formed once the
-first statistics are combined, and combined over shards in a second round.
+1.07× its four bf16 GEMMs, in one process); no third tile for the mixture. A head with
+``late_sums`` has row sums that need the normalisers ``Z`` themselves (a mixture of two
+distributions): they are formed once the first statistics are combined, and combined over
+shards in a second round.
 """
 
 from __future__ import annotations
