@@ -248,6 +248,18 @@ _LOSS: tuple[Mutation, ...] = (
         ("tests/test_machine_plan.py", "-k", "distillation_plan"),
     ),
     Mutation(
+        "machine_plan",
+        "the bench's two-head floor writes the teacher's logits into a fresh tensor",
+        "src/linear_ce/bench/variants.py",
+        (
+            (
+                "            torch.mm(xt, wt.T, out=teacher_logits)\n",
+                "            xt @ wt.T\n",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "one_buffer"),
+    ),
+    Mutation(
         "loss",
         "a half sum in the result takes the mean's power of two on x, the rest in a pass",
         "src/linear_ce/engine/accumulate.py",

@@ -219,7 +219,7 @@ def test_dpo_point_is_measured_against_the_gemms_of_its_scored_rows():
 
     class Shapes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.mm.default:
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
                 seen.append((tuple(args[0].shape), tuple(args[1].shape)))
             return func(*args, **(kwargs or {}))
 
@@ -270,3 +270,40 @@ def test_plan_note_says_which_row_loops_run(monkeypatch, mode):
     extra = {"fixed_rule": fields, "chunk_rates": {}, "half_speedup": None, "step_rates": {}}
     loops = "compiled" if mode == "1" else "torch"
     assert plan_note({**fields, **extra}).endswith(f", {loops} row loops")
+
+
+@pytest.mark.parametrize(
+    ("variant", "head", "outs"),
+    [("floor", "ce", 1), ("floor-fwd", "ce", 1), ("floor-2heads", "divergence", 2)],
+)
+def test_floors_write_their_logits_into_one_buffer(variant, head, outs):
+    """A floor's logits GEMMs write into buffers made when it is built, the same ones on
+    every call (a fresh ``(N, V)`` result would fault its pages in each time, work the
+    GEMMs do not need), and what they hold is the logits, against float64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linear_ce.bench.variants import make_inputs
+
+    class Outs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.out:
+                seen.append((kwargs["out"].data_ptr(), args[0], args[1], kwargs["out"]))
+            return result
+
+    x, w, t = make_inputs(config.Point(64, 8, 48, "fp32", "cpu", head=head))
+    call = VARIANTS[variant].build(x, w, t)
+    calls = []
+    for _ in range(2):
+        seen = []
+        with Outs():
+            call()
+        calls.append(seen)
+    assert len(calls[0]) == outs
+    assert [ptr for ptr, *_ in calls[0]] == [ptr for ptr, *_ in calls[1]]
+    for _, a, b, out in calls[1]:
+        expected = a.double() @ b.double()
+        # The bound: 3 eps(fp32), or twice the plain fp32 product's own error.
+        plain_error = ((a @ b).double() - expected).norm() / expected.norm()
+        bound = max(3 * torch.finfo(torch.float32).eps, 2 * plain_error.item())
+        assert (out.double() - expected).norm() / expected.norm() <= bound
