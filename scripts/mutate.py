@@ -249,6 +249,30 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "machine_plan",
+        "a tie of measured chunk rates goes to the smallest chunk, not the budget's",
+        "src/linear_ce/engine/machine.py",
+        (
+            (
+                "        if under and best[under[-1]] >= (1 - TOLERANCE) * top:\n",
+                "        if under and best[under[-1]] > top:\n",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "budgets_unless_another"),
+    ),
+    Mutation(
+        "machine_plan",
+        "a call without gradients keeps the budget of a call with them",
+        "src/linear_ce/engine/plan.py",
+        (
+            (
+                "        if not gradients and stretch > 1.0 and not half_cpu",
+                "        if not gradients and stretch > 2.0 and not half_cpu",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "without_gradients"),
+    ),
+    Mutation(
+        "machine_plan",
         "the bench's two-head floor writes the teacher's logits into a fresh tensor",
         "src/linear_ce/bench/variants.py",
         (

@@ -448,9 +448,9 @@ def _linear_ce(acc_policy: str | None) -> Callable:
     return loss
 
 
-def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
+def describe_plan(point: Point, acc_policy: str = "auto", gradients: bool = True) -> dict:
     """The plan ``linear_ce.linear_cross_entropy`` makes at ``point`` (no softcap, default
-    options but ``acc_policy``; one tile, with or without gradients), the fixed rule's
+    options but ``acc_policy``; one tile, with ``gradients`` or without), the fixed rule's
     plan (``LINEAR_CE_MEASURE=0``) next to it, and the measured rates the choice was made
     from (:mod:`linear_ce.engine.machine`; asked in the worker after the warm-up call, so nothing
     is measured again). ``chunk_rates``: GFLOP/s of the three GEMMs of a chunk (logits,
@@ -464,11 +464,11 @@ def describe_plan(point: Point, acc_policy: str = "auto") -> dict:
 
     dtype, device = point.torch_dtype, torch.device(point.device)
     options = LinearCrossEntropyOptions(acc_policy=acc_policy)
-    plan = make_plan(point.N, point.D, point.V, dtype, device, options)
+    plan = make_plan(point.N, point.D, point.V, dtype, device, options, gradients=gradients)
     saved = os.environ.get(machine.MEASURE_ENV)
     os.environ[machine.MEASURE_ENV] = "0"
     try:
-        fixed = make_plan(point.N, point.D, point.V, dtype, device, options)
+        fixed = make_plan(point.N, point.D, point.V, dtype, device, options, gradients=gradients)
     finally:
         if saved is None:
             del os.environ[machine.MEASURE_ENV]
@@ -781,7 +781,7 @@ VARIANTS: dict[str, Variant] = {
             _forward(_linear_ce(None)),
             _always,
             "linear_ce forward only, no gradients",
-            describe=describe_plan,
+            describe=lambda point: describe_plan(point, gradients=False),
         ),
         Variant(
             "logprobs-plain",

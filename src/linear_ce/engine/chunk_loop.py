@@ -521,6 +521,7 @@ def run_head(
             share=share,
             half_tile=companion is None,
             longest=companion is not None,
+            gradients=any(needs),
         )
 
     plan = plan_for(
