@@ -273,6 +273,18 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "machine_plan",
+        "the bench names the last CPU's family and model, not the first's",
+        "src/linear_ce/bench/report.py",
+        (
+            (
+                "        if not line.strip() and fields:\n            break\n",
+                "",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "family"),
+    ),
+    Mutation(
+        "machine_plan",
         "the bench's two-head floor writes the teacher's logits into a fresh tensor",
         "src/linear_ce/bench/variants.py",
         (
@@ -1263,11 +1275,11 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
         _MACHINE,
         (
             (
-                "        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
-                "        return max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)",
+                "        chosen = _smallest_near(best, top)\n",
+                "        chosen = max(b for b, r in best.items() if r >= (1 - TOLERANCE) * top)\n",
             ),
         ),
-        ("tests/test_machine_plan.py", "-k", "rows_smallest"),
+        ("tests/test_machine_plan.py", "-k", "budgets_unless_another"),
         quick=True,
     ),
     Mutation(
@@ -1308,12 +1320,12 @@ _MACHINE_PLAN: tuple[Mutation, ...] = (
     ),
     Mutation(
         "machine_plan",
-        "vocabulary pass: the largest class block within tolerance, not the smallest",
+        "vocabulary pass: the largest class block, not the smallest within tolerance",
         _MACHINE,
         (
             (
-                "        return min(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)\n",
-                "        return max(b for b, rate in best.items() if rate >= (1 - TOLERANCE) * top)\n",
+                "        return fallback if best is None else _smallest_near(best, max(best.values()))\n",
+                "        return fallback if best is None else max(best)\n",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "class_block"),

@@ -307,3 +307,22 @@ def test_floors_write_their_logits_into_one_buffer(variant, head, outs):
         plain_error = ((a @ b).double() - expected).norm() / expected.norm()
         bound = max(3 * torch.finfo(torch.float32).eps, 2 * plain_error.item())
         assert (out.double() - expected).norm() / expected.norm() <= bound
+
+
+def test_report_names_the_cpu_family_and_model():
+    """Two CPUs with the same model name and flags ("AMD EPYC", a Zen 4 and a Zen 5 under a
+    hypervisor) are told apart by family, model and L3 size, read from /proc/cpuinfo's first
+    CPU; the title line shows them; a file without them gives ``None``."""
+    from linear_ce.bench.__main__ import _title
+    from linear_ce.bench.report import cpu_identity
+
+    cpuinfo = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+        "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n"
+    )
+    assert cpu_identity(cpuinfo, "32768K") == "family 26, model 2, L3 32768K"
+    assert cpu_identity(cpuinfo, "") == "family 26, model 2"
+    assert cpu_identity("processor\t: 0\nmodel name\t: Neoverse\n", "") is None
+    info = {"cpu": "AMD EPYC", "cpu_identity": "family 26, model 2, L3 32768K", "cores": 2}
+    title = _title({"machine": {**info, "torch": "2.13.0"}, "device": "cpu", "repeats": 3})
+    assert title.startswith("AMD EPYC (family 26, model 2, L3 32768K), 2 cores, torch 2.13.0")

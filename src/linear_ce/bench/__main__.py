@@ -123,7 +123,9 @@ def _title(meta: dict) -> str:
     flags = info.get("cpu_flags")
     settings = info.get("settings")
     return (
-        f"{info['cpu']}, {info['cores']} cores"
+        f"{info['cpu']}"
+        + (f" ({info['cpu_identity']})" if info.get("cpu_identity") else "")
+        + f", {info['cores']} cores"
         + (f" ({' '.join(flags) or 'no AVX2/AVX-512/AMX'})" if flags is not None else "")
         + f", torch {info['torch']}"
         + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")
