@@ -248,6 +248,18 @@ _LOSS: tuple[Mutation, ...] = (
         ("tests/test_machine_plan.py", "-k", "distillation_plan"),
     ),
     Mutation(
+        "sequence_objective",
+        "a chunk of whole sequences sums its input gradient in an fp32 (N, F) buffer again",
+        "src/linear_ce/engine/chunk_loop.py",
+        (
+            (
+                "    narrow = rows_once and grad_input and input.dtype != acc\n",
+                "    narrow = False\n",
+            ),
+        ),
+        ("tests/test_sequence_objective.py", "-k", "bf16_dpo_step_memory"),
+    ),
+    Mutation(
         "machine_plan",
         "a tie of measured chunk rates goes to the smallest chunk, not the budget's",
         "src/linear_ce/engine/machine.py",

@@ -308,16 +308,14 @@ def test_property_float64(pair, temperature, hard_weight, bias, chunk, k, emptie
 @pytest.mark.parametrize(("beta", "mass"), PAIRS)
 def test_many_chunks_float32(beta, mass):
     """Hundreds of chunks (16 rows each, masked rows between): the error must not grow
-    with their number."""
-    _, _, errors = _check(
-        torch.float32,
-        beta=beta,
-        mass=mass,
-        chunk=16,
-        hard_weight=0.5,
-        shape=dict(n=4, length=1000, f=8, v=64, k=8),
-    )
-    assert errors["weight"][0] <= 3 * eps(torch.float32), errors
+    with their number. The bound: 3 eps(fp32), or twice the same call's error in one
+    chunk (its GEMM's own summation error, which differs by CPU: 5.7-7 eps on a Zen 5)."""
+    shape = dict(n=4, length=1000, f=8, v=64, k=8)
+    call = dict(beta=beta, mass=mass, hard_weight=0.5, shape=shape)
+    _, _, errors = _check(torch.float32, chunk=16, **call)
+    _, _, one_chunk = _check(torch.float32, chunk=4000, **call)
+    bound = max(3 * eps(torch.float32), 2 * one_chunk["weight"][0])
+    assert errors["weight"][0] <= bound, (errors, one_chunk)
 
 
 def _teacher_head(seed, dtype=torch.float64):

@@ -231,8 +231,9 @@ FUSED(f32, float, to_f32)
  * e^(v - m) (v - m); w = r1 - r0 rows; part, dpart (with d), me and nan are scratch of w
  * floats. Per block of 64 classes (in cache between its two reads): its max, the sums so
  * far rescaled when the block raises the max m to m' (s' = r s, d' = r (d - (m' - m) s),
- * r = e^(m - m')), then the block's terms added: one read of the tile from memory,
- * ~(64 + V/64) roundings per sum. A NaN logit makes the row's max and sums NaN, as
+ * r = e^(m - m')), then the block's terms added, four classes at a time in pairs: one
+ * read of the tile from memory, ~(18 + V/64) roundings per sum. A NaN logit makes the
+ * row's max and sums NaN, as
  * torch.amax and the sum of exp do. */
 static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, int64_t V,
                           float scale, float* m, float* s, float* d, float* part, float* dpart,
@@ -273,8 +274,24 @@ static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, 
             me[k] = m[k] == -INFINITY ? 0.0f : m[k];
             part[k] = 0.0f;
         }
+        /* Four classes at a time, added in pairs before the running sum: a chain of
+         * 16 + 2 roundings per block, not 64 (fp32 token_objective with entropy at V = 29
+         * on a Zen 5: the input gradient 2.1x the plain expression's error with one chain). */
+        int64_t j4 = j0 + (j1 - j0) / 4 * 4;
         if (d) {
-            for (int64_t j = j0; j < j1; ++j) {
+            for (int64_t j = j0; j < j4; j += 4) {
+                const float* p = tile + j * ld + r0;
+                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                    float u0 = p[k] * scale - me[k], u1 = p[k + ld] * scale - me[k];
+                    float u2 = p[k + 2 * ld] * scale - me[k], u3 = p[k + 3 * ld] * scale - me[k];
+                    float e0 = exp_nonpositive(u0), e1 = exp_nonpositive(u1);
+                    float e2 = exp_nonpositive(u2), e3 = exp_nonpositive(u3);
+                    part[k] += (e0 + e1) + (e2 + e3);
+                    dpart[k] += (e0 * (u0 < -3.0e38f ? 0.0f : u0) + e1 * (u1 < -3.0e38f ? 0.0f : u1))
+                              + (e2 * (u2 < -3.0e38f ? 0.0f : u2) + e3 * (u3 < -3.0e38f ? 0.0f : u3));
+                }
+            }
+            for (int64_t j = j4; j < j1; ++j) {
                 const float* p = tile + j * ld + r0;
                 _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
                     float u = p[k] * scale - me[k];
@@ -285,7 +302,17 @@ static void cm_statistics(const float* tile, int64_t ld, int64_t r0, int64_t w, 
             }
             _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) d[k] += dpart[k];
         } else {
-            for (int64_t j = j0; j < j1; ++j) {
+            for (int64_t j = j0; j < j4; j += 4) {
+                const float* p = tile + j * ld + r0;
+                _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) {
+                    float e0 = exp_nonpositive(p[k] * scale - me[k]);
+                    float e1 = exp_nonpositive(p[k + ld] * scale - me[k]);
+                    float e2 = exp_nonpositive(p[k + 2 * ld] * scale - me[k]);
+                    float e3 = exp_nonpositive(p[k + 3 * ld] * scale - me[k]);
+                    part[k] += (e0 + e1) + (e2 + e3);
+                }
+            }
+            for (int64_t j = j4; j < j1; ++j) {
                 const float* p = tile + j * ld + r0;
                 _Pragma("omp simd") for (int64_t k = 0; k < w; ++k) part[k] += exp_nonpositive(p[k] * scale - me[k]);
             }
