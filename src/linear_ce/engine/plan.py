@@ -46,8 +46,8 @@ MIN_EFFICIENT_ROWS = 128
 ROW_MULTIPLE = 32
 #: The ``"budget"`` rule lets the per-chunk scratch take this share of the gradients' bytes:
 #: with the gradients themselves that is ≈ 1.25× their bytes, inside the 1.3× bound. Within
-#: it the plan takes the smallest chunk this machine's GEMMs run at full rate with
-#: (:mod:`linear_ce.engine.machine`); ``LINEAR_CE_MEMORY_BUDGET`` sets another share, and every
+#: it the plan keeps the budget's rows unless this machine's GEMMs measured faster at
+#: others (:mod:`linear_ce.engine.machine`); ``LINEAR_CE_MEMORY_BUDGET`` sets another share, and every
 #: share below scales with it.
 BUDGET_SHARE = 0.25
 #: Where this machine's GEMMs are measured, a one-tile chunk loop under the default budget
@@ -359,7 +359,7 @@ def make_plan(
 
     The machine's choices (:mod:`linear_ce.engine.machine`, measured or the fixed fallback): the
     native half GEMMs the CPU's flags promise are taken where they run faster than fp32;
-    fp32/fp64 chunks are the smallest within the budget that run the GEMMs at full rate,
+    fp32/fp64 chunks are the budget's unless another size ran the GEMMs faster,
     where one tile under the default budget may take up to ``MEASURED_STRETCH`` times it
     if that runs them faster (half inputs keep the budget's longest: their weight-gradient
     sum pays per chunk); the
@@ -380,8 +380,7 @@ def make_plan(
     (the weight-gradient sum then holds no chunk). ``False`` for a caller whose loop
     cannot use one (a companion head).
 
-    ``longest``: keep the budget's longest chunks, not the measured smallest at full GEMM
-    rate (a loop with a companion, whose per-chunk elementwise passes over two or three
+    ``longest``: keep the budget's longest chunks, not the measured choice (a loop with a companion, whose per-chunk elementwise passes over two or three
     tiles the GEMM measurement does not see: see ``DIVERGENCE_SHARE``).
 
     ``gradients``: ``False`` for a call that wants no gradient. Its one fp32/fp64 tile
