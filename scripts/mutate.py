@@ -2090,6 +2090,74 @@ _PAIR_LOOPS: tuple[Mutation, ...] = (
     ),
 )
 
+_STATS_PASS_FILE = "src/linear_ce/engine/stats_pass.py"
+_STATS_PASS_TESTS = ("tests/test_stats_pass.py",)
+_STATS_PASS = (
+    Mutation(
+        "stats_pass",
+        "blocks' sums of exp added without shifting them to the row max",
+        _STATS_PASS_FILE,
+        (
+            (
+                "sum_exp = torch.where(weight == 0, 0.0, weight * block_z).sum(0)",
+                "sum_exp = torch.where(weight == 0, 0.0, block_z).sum(0)",
+            ),
+        ),
+        _STATS_PASS_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "stats_pass",
+        "blocks' dot sums shifted without the max's change times their sums of exp",
+        _STATS_PASS_FILE,
+        (
+            (
+                "weight * (block_d - shift * block_z)",
+                "weight * block_d",
+            ),
+        ),
+        _STATS_PASS_TESTS,
+    ),
+    Mutation(
+        "stats_pass",
+        "the target's u left relative to its own block's max",
+        _STATS_PASS_FILE,
+        (("torch.where(owned, block_t - shift, 0.0)", "torch.where(owned, block_t, 0.0)"),),
+        _STATS_PASS_TESTS,
+    ),
+    Mutation(
+        "stats_pass",
+        "the target's column not moved into its block",
+        _STATS_PASS_FILE,
+        (
+            (
+                "local = torch.where(owned[b], targets - start, -1)",
+                "local = torch.where(owned[b], targets, -1)",
+            ),
+        ),
+        _STATS_PASS_TESTS,
+    ),
+    Mutation(
+        "stats_pass",
+        "the transform's factor not applied by the pass",
+        _STATS_PASS_FILE,
+        (
+            (
+                "part = loops.stats(tile, scale=scale, target=local, dot=dot)",
+                "part = loops.stats(tile, target=local, dot=dot)",
+            ),
+        ),
+        _STATS_PASS_TESTS,
+    ),
+    Mutation(
+        "stats_pass",
+        "the pass's tile sized to the whole cache",
+        "src/linear_ce/engine/plan.py",
+        (("STATS_TILE_CACHE_SHARE = 0.5", "STATS_TILE_CACHE_SHARE = 1.0"),),
+        ("tests/test_stats_pass.py", "-k", "cache"),
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -2105,6 +2173,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_MACHINE_PLAN,
     *_NATIVE_ROWS,
     *_PAIR_LOOPS,
+    *_STATS_PASS,
 )
 
 

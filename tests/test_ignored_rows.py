@@ -17,7 +17,7 @@ import linear_ce
 from conftest import eps, rel_err
 from linear_ce import LinearCrossEntropyOptions
 from linear_ce.engine.accumulate import DirectSum, SplitSum
-from linear_ce.engine.gemm import Gemm
+from linear_ce.engine.gemm import Gemm, NativeHalf
 
 N, FEAT, CLASSES, CHUNK = 24, 6, 11, 4
 OPTIONS = LinearCrossEntropyOptions(batch_chunk_size=CHUNK)
@@ -227,6 +227,10 @@ def gemm_rows(monkeypatch):
         for name, index in methods.items():
             if name in vars(cls):
                 monkeypatch.setattr(cls, name, recording(name, vars(cls)[name], index))
+    # A half tile's logits (the chunk loop's, the statistics pass's) are a logits GEMM too.
+    monkeypatch.setattr(
+        NativeHalf, "half_logits", recording("logits", vars(NativeHalf)["half_logits"], 1)
+    )
     # The weight-gradient GEMMs are issued by the weight-gradient sum: add(position, g, x).
     for cls in (DirectSum, SplitSum):
         monkeypatch.setattr(cls, "add", recording("weight_grad", vars(cls)["add"], 2))

@@ -37,6 +37,7 @@ ENV = (
     machine.TILE_LAYOUT_ENV,
     machine.CLASS_BLOCK_ENV,
     machine.STEP_ROWS_ENV,
+    machine.STATS_BLOCK_ENV,
     machine.EXP_ENV,
     "LINEAR_CE_NATIVE_HALF_GEMM",
 )
@@ -160,6 +161,7 @@ def test_memory_budget_scales_every_share(monkeypatch):
         (machine.TILE_LAYOUT_ENV, "col", "LINEAR_CE_TILE_LAYOUT must be one of class-major"),
         (machine.CLASS_BLOCK_ENV, "x", "LINEAR_CE_CLASS_BLOCK must be a positive number"),
         (machine.STEP_ROWS_ENV, "-2", "LINEAR_CE_STEP_ROWS must be a positive number"),
+        (machine.STATS_BLOCK_ENV, "none", "LINEAR_CE_STATS_BLOCK must be a positive number"),
         (machine.EXP_ENV, "e", "LINEAR_CE_EXP must be one of exp .*got 'e'"),
     ],
 )

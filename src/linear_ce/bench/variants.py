@@ -464,11 +464,25 @@ def describe_plan(point: Point, acc_policy: str = "auto", gradients: bool = True
 
     dtype, device = point.torch_dtype, torch.device(point.device)
     options = LinearCrossEntropyOptions(acc_policy=acc_policy)
-    plan = make_plan(point.N, point.D, point.V, dtype, device, options, gradients=gradients)
+    # Without gradients a CPU call whose row loops build takes the statistics pass.
+    stats = (
+        not gradients
+        and device.type == "cpu"
+        and machine.forced_stats_block() != 0
+        and _row_loops(make_plan(point.N, point.D, point.V, dtype, device, options)) == "compiled"
+    )
+
+    def plan_now():
+        return make_plan(
+            point.N, point.D, point.V, dtype, device, options, gradients=gradients,
+            stats_pass=stats, gathered=stats and point.ignored > 0,
+        )  # fmt: skip
+
+    plan = plan_now()
     saved = os.environ.get(machine.MEASURE_ENV)
     os.environ[machine.MEASURE_ENV] = "0"
     try:
-        fixed = make_plan(point.N, point.D, point.V, dtype, device, options, gradients=gradients)
+        fixed = plan_now()
     finally:
         if saved is None:
             del os.environ[machine.MEASURE_ENV]
@@ -477,8 +491,8 @@ def describe_plan(point: Point, acc_policy: str = "auto", gradients: bool = True
     known = machine.known_rates(plan.gemm.operand_dtype, point.D)
     half = machine.known_rates(dtype, point.D)["half"] if dtype in HALF_DTYPES else None
     return {
-        **_plan_fields(plan, point.N),
-        "fixed_rule": _plan_fields(fixed, point.N),
+        **_plan_fields(plan, point.N, stats),
+        "fixed_rule": _plan_fields(fixed, point.N, stats),
         "chunk_rates": {
             f"{rows} {'class' if major else 'row'}": [round(v, 3) for v in rates]
             for (rows, major), rates in sorted(known["chunk"].items())
@@ -530,14 +544,16 @@ def describe_divergence_plan(point: Point) -> dict:
     return {**fields, "fixed_rule": fields, "chunk_rates": {}, "half_speedup": None}
 
 
-def _plan_fields(plan, rows: int) -> dict:
+def _plan_fields(plan, rows: int, stats_pass: bool = False) -> dict:
     half_tile = plan.rows_per_step < plan.rows_per_chunk
     return {
         "rows_per_chunk": plan.rows_per_chunk,
         "chunks": -(-rows // max(plan.rows_per_chunk, 1)),
         "rows_per_step": plan.rows_per_step,
         "layout": (
-            f"half tile, {plan.rows_per_step}-row steps"
+            f"statistics pass, {plan.classes_per_block}-class blocks"
+            if stats_pass
+            else f"half tile, {plan.rows_per_step}-row steps"
             if half_tile
             else "class-major"
             if plan.gemm.class_major
@@ -551,16 +567,16 @@ def _plan_fields(plan, rows: int) -> dict:
         else None,
         # The row math of the heads that take them (engine/native_rows.py): compiled loops
         # where they build, for half tiles and fp32 tiles on a CPU.
-        "row_loops": _row_loops(plan),
+        "row_loops": _row_loops(plan, stats_pass),
     }
 
 
-def _row_loops(plan) -> str | None:
+def _row_loops(plan, stats_pass: bool = False) -> str | None:
     from linear_ce.engine.native_rows import native_rows
 
     if type(plan.gemm).__name__ == "CudaOutDtype" or plan.input_dtype == torch.float64:
         return None
-    half_tile = plan.rows_per_step < plan.rows_per_chunk
+    half_tile = plan.rows_per_step < plan.rows_per_chunk or stats_pass
     if plan.input_dtype in HALF_DTYPES and not half_tile:
         return "torch"
     return "compiled" if native_rows(plan.input_dtype) is not None else "torch"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ __all__ = [
     "HALF_DTYPES",
     "NATIVE_HALF_GEMM_ENV",
     "cpu_flags",
+    "last_level_cache_bytes",
     "native_half_gemm",
     "native_half_mode",
 ]
@@ -54,6 +56,28 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level cache in bytes (Linux sysfs, ``cpu0``'s highest
+    level; ``None`` where unknown)."""
+    return _last_level_cache_bytes()
+
+
+@functools.cache
+def _last_level_cache_bytes() -> int | None:
+    best: tuple[int, int] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        number, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        if number.isdigit() and (best is None or level > best[0]):
+            best = (level, int(number) * unit)
+    return None if best is None else best[1]
 
 
 def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:

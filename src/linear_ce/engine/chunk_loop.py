@@ -33,6 +33,9 @@ rows are scaled after their GEMM, the rows of ``x`` before the weight gradient's
 over the half tile, and the input gradient keeps one rounding of the tile. Without
 gradients (and without ``late_sums``) the steps keep their row sums and maxima for the
 chunk, which are combined over shards and handed to ``rows_done`` once per chunk.
+A call without gradients whose row math is the compiled loops' (below) takes the
+statistics pass instead (:mod:`linear_ce.engine.stats_pass`: blocks of classes, a
+cache-sized tile), unless ``LINEAR_CE_STATS_BLOCK=off``.
 
 Where each row is in one chunk (``rows_once``: a caller's chunks of whole sequences, one
 output position), a half input's gradient is written per chunk in the input dtype instead
@@ -75,11 +78,13 @@ import torch
 from linear_ce.engine.accumulate import weight_grad_sum
 from linear_ce.engine.gemm import Gemm, NativeHalf
 from linear_ce.engine.head import Head, RowStats
+from linear_ce.engine.machine import forced_stats_block
 from linear_ce.engine.native_rows import NativeRows, native_rows
 from linear_ce.engine.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.row_reductions import row_max as tile_row_max
 from linear_ce.engine.row_reductions import row_sum
+from linear_ce.engine.stats_pass import run_stats_pass
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.options import LinearCrossEntropyOptions
@@ -371,7 +376,7 @@ def run_chunks(
         if chunk_stats:
             return None
         vocab.sum_(stats)
-        row_stats = _row_stats(row_max, stats)
+        row_stats = RowStats.of(row_max, stats)
         if head.late_sums:
             late = late_buf[at : at + n]
             head.sums_after_stats(u, e, row_stats, late)
@@ -432,7 +437,7 @@ def run_chunks(
                 if chunk_stats:
                     stats = stats_buf[:n]
                     vocab.sum_(stats)
-                    head.rows_done(chunk_rows, p, _row_stats(max_buf[:n], stats))
+                    head.rows_done(chunk_rows, p, RowStats.of(max_buf[:n], stats))
                 if two_sweeps:
                     for start in range(0, n, step):
                         part = slice(start, min(start + step, n))
@@ -441,7 +446,7 @@ def run_chunks(
                         transformed(u, b_p)
                         u.sub_(max_buf[part, None])
                         e = _exp(u, u if exp_tile is None else exp_tile[: u.shape[0]], plan.exp2)
-                        row_stats = _row_stats(max_buf[part], stats_buf[part])
+                        row_stats = RowStats.of(max_buf[part], stats_buf[part])
                         if head.late_sums:
                             row_stats.late = late_buf[part]
                         sub_rows = _sub_rows(chunk_rows, part)
@@ -524,6 +529,24 @@ def run_head(
             gradients=any(needs),
         )
 
+    cpu = input.device.type == "cpu"
+    if cpu and not any(needs) and companion is None and forced_stats_block() != 0:
+        plan = make_plan(
+            rows,
+            in_features,
+            vocab.plan_classes,
+            input.dtype,
+            input.device,
+            options,
+            gradients=False,
+            stats_pass=True,
+            gathered=not bool(head.valid.all()),
+        )
+        half = isinstance(plan.gemm, NativeHalf)
+        loops = _native_rows(input, plan.acc_dtype, head, transform, vocab, bias, None, half)
+        if loops is not None:
+            run_stats_pass(input, weight, head, transform.factor, plan, loops)
+            return Gradients(input=None, weight=None, bias=None)
     plan = plan_for(
         tiles_for(
             head.keeps_logits,
@@ -710,7 +733,7 @@ def _native_chunk(
         sums = native.stats(tile, scale=transform.factor, target=targets, dot=dot)
     stats[:, 0] = sums.sum_exp
     head.native_sums(sums.target_u, sums.dot, stats[:, 1:])
-    row_stats = _row_stats(sums.row_max, stats)
+    row_stats = RowStats.of(sums.row_max, stats)
     head.rows_done(rows, p, row_stats)
     if fused is not None or not want_grads:
         return want_grads
@@ -806,19 +829,10 @@ def _pair_chunk(
     )
     stats[:, 0] = sums.sum_exp
     late = head.pair_sums(sums, stats[:, 1:])
-    row_stats = _row_stats(sums.row_max, stats)
+    row_stats = RowStats.of(sums.row_max, stats)
     row_stats.late = late
     head.rows_done(rows, p, row_stats)
     return want_grads
-
-
-def _row_stats(row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:
-    """The rows' statistics from their max and their summed ``(Σ eᵘ, head's sums)``."""
-    sum_exp = stats[:, 0]
-    log_sum_exp = sum_exp.log()
-    # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
-    lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
-    return RowStats(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
 
 
 def _sub_rows(rows, part: slice):

@@ -100,6 +100,16 @@ class RowStats:
     sums: torch.Tensor
     late: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, row_max: torch.Tensor, stats: torch.Tensor) -> RowStats:
+        """The rows' statistics from their max and their summed ``(Σ eᵘ, head's sums)``
+        ``(B, 1 + extra_sums)``."""
+        sum_exp = stats[:, 0]
+        log_sum_exp = sum_exp.log()
+        # A ±inf row max is the lse itself (as torch.logsumexp), not inf − inf = NaN.
+        lse = torch.where(row_max.isinf(), row_max, row_max + log_sum_exp)
+        return cls(row_max, sum_exp, log_sum_exp, lse, stats[:, 1:])
+
 
 class Head(Protocol):
     #: ``(N, P)`` bool: the rows (and positions) that carry an output; the others are skipped.

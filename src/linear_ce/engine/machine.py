@@ -84,6 +84,9 @@ Environment (read on every call; a bad value is a ``ValueError`` naming the vari
   vocabulary pass's too; ``auto`` or unset: measured (the vocabulary pass: the backend's).
 - ``LINEAR_CE_CLASS_BLOCK``: a number of classes forces the vocabulary pass's fewest
   classes per block; ``auto`` or unset: measured.
+- ``LINEAR_CE_STATS_BLOCK``: a number of classes forces the block of the statistics pass
+  of a call without gradients (:mod:`linear_ce.engine.stats_pass`), ``off`` turns the
+  pass off (the chunk loop's chunks of whole rows); ``auto`` or unset: the plan's block.
 - ``LINEAR_CE_STEP_ROWS``: a number of rows forces a half tile's step; ``auto`` or unset:
   measured.
 - ``LINEAR_CE_EXP``: ``exp`` or ``exp2`` forces how half inputs' fp32 math forms ``eᵘ``;
@@ -134,6 +137,7 @@ __all__ = [
     "MEMORY_BUDGET_ENV",
     "MIN_BUSY",
     "NOISE_LIMIT",
+    "STATS_BLOCK_ENV",
     "STEP_CANDIDATES",
     "STEP_ROWS_ENV",
     "STEP_ROW_OPS",
@@ -142,6 +146,7 @@ __all__ = [
     "Tuning",
     "chunk_rates",
     "exp_speedup",
+    "forced_stats_block",
     "half_gemm_pays",
     "half_speedup",
     "known_rates",
@@ -161,6 +166,7 @@ CHUNK_ROWS_ENV = "LINEAR_CE_CHUNK_ROWS"
 TILE_LAYOUT_ENV = "LINEAR_CE_TILE_LAYOUT"
 CLASS_BLOCK_ENV = "LINEAR_CE_CLASS_BLOCK"
 STEP_ROWS_ENV = "LINEAR_CE_STEP_ROWS"
+STATS_BLOCK_ENV = "LINEAR_CE_STATS_BLOCK"
 EXP_ENV = "LINEAR_CE_EXP"
 
 #: Chunk sizes measured. Above 1024 rows the weight-gradient GEMM's inner dimension is
@@ -303,6 +309,16 @@ def _forced_count(name: str, what: str) -> int | None:
 
 def _forced_class_block() -> int | None:
     return _forced_count(CLASS_BLOCK_ENV, "classes (forcing the vocabulary pass's block)")
+
+
+def forced_stats_block() -> int | None:
+    """``LINEAR_CE_STATS_BLOCK``: the classes per block it forces on the statistics pass
+    (:mod:`linear_ce.engine.stats_pass`), ``0`` for ``off`` (no statistics pass: chunks of
+    whole rows), ``None`` for ``auto`` (the plan's choice)."""
+    text = os.environ.get(STATS_BLOCK_ENV, "auto").strip() or "auto"
+    if text == "off":
+        return 0
+    return _forced_count(STATS_BLOCK_ENV, "classes per block of the statistics pass, off")
 
 
 def _forced_step_rows() -> int | None:

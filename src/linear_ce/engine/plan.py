@@ -13,9 +13,19 @@ from typing import NamedTuple
 
 import torch
 
-from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_gemm
+from linear_ce.engine.capability import (
+    HALF_DTYPES,
+    cpu_flags,
+    last_level_cache_bytes,
+    native_half_gemm,
+)
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
-from linear_ce.engine.machine import half_gemm_pays, memory_budget, tuning_for
+from linear_ce.engine.machine import (
+    forced_stats_block,
+    half_gemm_pays,
+    memory_budget,
+    tuning_for,
+)
 from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
@@ -29,6 +39,8 @@ __all__ = [
     "MIN_CLASS_BLOCK",
     "MIN_EFFICIENT_ROWS",
     "ROW_MULTIPLE",
+    "STATS_TILE_CACHE_SHARE",
+    "STATS_TILE_FALLBACK_BYTES",
     "ChunkCall",
     "Plan",
     "acc_dtype_for",
@@ -107,6 +119,13 @@ EXP_FLAG = "amx_tile"
 MIN_CLASS_BLOCK = 512
 #: Class blocks are rounded down to a multiple of this.
 CLASS_MULTIPLE = 128
+#: The statistics pass's tile (:mod:`linear_ce.engine.stats_pass`) takes at most this share
+#: of the last-level cache (and the budget's bytes): the compiled loops read each block's
+#: logits back from cache right after its GEMM wrote them.
+STATS_TILE_CACHE_SHARE = 0.5
+#: The statistics pass's tile where the last-level cache's size is unknown: half of a
+#: 32 MiB L3.
+STATS_TILE_FALLBACK_BYTES = 16 << 20
 #: Under ``"balanced"``, a half weight gradient summed over at most this many chunks (per
 #: output position) is held in the result itself (``"direct"``: one rounding per chunk)
 #: instead of the split sum. Against float64, relative to the plain bf16 expression's own
@@ -336,6 +355,7 @@ def make_plan(
     half_tile: bool = True,
     longest: bool = False,
     gradients: bool = True,
+    stats_pass: bool = False,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -371,7 +391,7 @@ def make_plan(
     ``vocab_pass``: the plan of a vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) with
     ``tiles`` ``(rows, C)`` tiles: row groups and class blocks by
     :func:`choose_vocab_blocks`, at ``BUDGET_SHARE``; ``gathered``: some row is
-    ignored, so a group's rows may be gathered into buffers of their own (budgeted).
+    ignored, so a group's rows (of either pass) may be gathered into buffers of their own (budgeted).
 
     ``half_tile``: with native half GEMMs on a CPU the chunk loop may keep a half tile
     (``Plan.rows_per_step``): chunks are planned for ``HALF_CPU_BUDGET_SHARE`` of the
@@ -386,7 +406,16 @@ def make_plan(
     ``gradients``: ``False`` for a call that wants no gradient. Its one fp32/fp64 tile
     under the default budget then takes the longest chunks of ``MEASURED_STRETCH`` times
     it, measured or not.
+
+    ``stats_pass``: the plan of a statistics pass (:mod:`linear_ce.engine.stats_pass`, a
+    call without gradients whose row math is the compiled loops'): groups of rows and blocks
+    of classes by :func:`choose_vocab_blocks` for one tile of the loops' dtype (the input's
+    with native half GEMMs, else ``acc_dtype``) of at most ``STATS_TILE_CACHE_SHARE`` of the
+    last-level cache (``STATS_TILE_FALLBACK_BYTES`` where unknown) and of
+    ``BUDGET_SHARE`` of the gradients' bytes (``share`` does not apply), or the block
+    ``LINEAR_CE_STATS_BLOCK`` forces.
     """
+    forced_block = forced_stats_block() if stats_pass else None
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
     half_cpu = mixed and device.type == "cpu" and acc_dtype == torch.float32
@@ -444,6 +473,20 @@ def make_plan(
             BUDGET_SHARE * scale,
             tuning.min_class_block(MIN_CLASS_BLOCK),
         )
+    elif stats_pass:
+        call = ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype)
+        loops_dtype = input_dtype if isinstance(gemm, NativeHalf) else acc_dtype
+        cache = last_level_cache_bytes() or STATS_TILE_FALLBACK_BYTES / STATS_TILE_CACHE_SHARE
+        cache_share = STATS_TILE_CACHE_SHARE * cache / max(call.grad_bytes, 1)
+        rows_per_chunk, classes_per_block = choose_vocab_blocks(
+            call,
+            loops_dtype.itemsize,
+            in_features * input_dtype.itemsize if gathered else 0,
+            min(BUDGET_SHARE * scale, cache_share),
+            forced_block or tuning.min_class_block(MIN_CLASS_BLOCK),
+        )
+        if forced_block:
+            classes_per_block = min(forced_block, num_classes)
     else:
         # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
         tile_dtype, tile_count = (input_dtype, 1) if half else (acc_dtype, tiles)
@@ -476,7 +519,7 @@ def make_plan(
             direct_rows = chunk_rows(share + plane_share)
             if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
                 weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
-    if half:
+    if half and not stats_pass:
         rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
     else:
         rows_per_step = rows_per_chunk
