@@ -2150,6 +2150,18 @@ _STATS_PASS = (
         _STATS_PASS_TESTS,
     ),
     Mutation(
+        "machine_plan",
+        "the vocabulary pass's half blocks budgeted as fp32 tiles with a half copy",
+        "src/linear_ce/engine/plan.py",
+        (
+            (
+                "        if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_machine_plan.py", "-k", "half_blocks"),
+    ),
+    Mutation(
         "stats_pass",
         "the pass's tile sized to the whole cache",
         "src/linear_ce/engine/plan.py",

@@ -134,6 +134,26 @@ def test_forced_rows_and_layout(monkeypatch):
     assert (plan.rows_per_chunk, plan.gemm.class_major) == (256, True)
 
 
+@pytest.mark.parametrize("half_blocks", [True, False])
+def test_half_blocks_are_budgeted_at_their_own_bytes(monkeypatch, half_blocks):
+    """A vocabulary pass that takes half blocks holds one tile of bf16 logits: its blocks
+    fill a quarter of the gradients' bytes at 2 bytes per logit (every row in one group);
+    without half blocks, at fp32's 4 and the bf16 operand's 2."""
+    if not native_half_gemm(torch.bfloat16, CPU):
+        pytest.skip("no native bf16 GEMMs on this CPU (no half blocks)")
+    monkeypatch.setenv(machine.MEASURE_ENV, "0")
+    monkeypatch.setenv("LINEAR_CE_NATIVE_HALF_GEMM", "1")
+    plan = make_plan(
+        *BIG, torch.bfloat16, CPU, LinearCrossEntropyOptions(), vocab_pass=True,
+        gathered=False, half_blocks=half_blocks,
+    )  # fmt: skip
+    rows, features, classes = BIG
+    budget = (rows + classes) * features * 2 // 4
+    per_logit = 2 if half_blocks else 6
+    assert isinstance(plan.gemm, NativeHalf) and plan.rows_per_chunk == rows
+    assert budget - 128 * rows * per_logit < plan.classes_per_block * rows * per_logit <= budget
+
+
 def test_memory_budget_scales_every_share(monkeypatch):
     """``LINEAR_CE_MEMORY_BUDGET=0.5`` doubles the fp32 share (512 rows here), the half
     paths' and the vocabulary pass's budgets with it."""

@@ -356,6 +356,7 @@ def make_plan(
     longest: bool = False,
     gradients: bool = True,
     stats_pass: bool = False,
+    half_blocks: bool = False,
 ) -> Plan:
     """Resolve ``options`` for one call: chunk size, dtypes, buffers, GEMM backend.
 
@@ -406,6 +407,15 @@ def make_plan(
     ``gradients``: ``False`` for a call that wants no gradient. Its one fp32/fp64 tile
     under the default budget then takes the longest chunks of ``MEASURED_STRETCH`` times
     it, measured or not.
+
+    ``half_blocks``: a vocabulary pass that takes half blocks where the GEMMs are native
+    half ones (:mod:`linear_ce.engine.vocab_pass`): its one tile holds the input dtype, so
+    its blocks are budgeted at that many bytes per logit, not ``acc_dtype``'s and the
+    operand copy's, which left them a third of the budget (bf16 ``token_logprobs``
+    backward at N=2048, F=1024, V=32768: 4352-class blocks, not 1408; each block adds its
+    input-gradient product into the fp32 sum in a pass of its own. On a 2-core Zen 5 the
+    step measured 1.01–1.10× its four GEMMs over blocks of 1408–8704 classes and paired
+    runs: within that machine's noise).
 
     ``stats_pass``: the plan of a statistics pass (:mod:`linear_ce.engine.stats_pass`, a
     call without gradients whose row math is the compiled loops'): groups of rows and blocks
@@ -461,7 +471,9 @@ def make_plan(
         weight_grad = "wide"
     if vocab_pass:
         per_logit = tiles * acc_dtype.itemsize
-        if gemm.operand_dtype != acc_dtype:
+        if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:
+            per_logit = input_dtype.itemsize
+        elif gemm.operand_dtype != acc_dtype:
             per_logit += gemm.operand_dtype.itemsize
         per_row = in_features * (input_dtype.itemsize + acc_dtype.itemsize) if gathered else 0
         if gemm.operand_dtype != input_dtype:

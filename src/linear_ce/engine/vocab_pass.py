@@ -78,6 +78,7 @@ def vocab_pass_gradients(
         tiles=tiles_for(False, transform, True),
         vocab_pass=True,
         gathered=not bool(head.valid.all()),
+        half_blocks=_half_blocks_allowed(input, head, transform, bias),
     )
     need_x, need_w, need_b = needs
     asked = Needs(need_x, need_w, need_b and bias is not None)
@@ -187,13 +188,22 @@ def _half_blocks(
     """Whether the pass takes half blocks (see the module doc): native half GEMMs on a CPU,
     no bias and no softcap (their terms would round in the half tile), a head that takes
     them, and the compiled row loops for the input dtype."""
+    return isinstance(plan.gemm, NativeHalf) and _half_blocks_allowed(input, head, transform, bias)
+
+
+def _half_blocks_allowed(
+    input: torch.Tensor,
+    head: KnownStatsHead,
+    transform: LogitTransform,
+    bias: torch.Tensor | None,
+) -> bool:
+    """Whether the call allows half blocks, should its plan's GEMMs be native half ones."""
     return (
-        isinstance(plan.gemm, NativeHalf)
-        and input.device.type == "cpu"
+        input.device.type == "cpu"
         and bias is None
         and transform.softcap is None
         and getattr(head, "half_blocks", False)
-        and native_rows(plan.input_dtype) is not None
+        and native_rows(input.dtype) is not None
     )
 
 
