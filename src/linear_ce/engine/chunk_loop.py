@@ -511,7 +511,9 @@ def run_head(
     """:func:`run_chunks` on the plan of ``head`` (its tiles, ``vocab.plan_classes``
     classes, the budget's ``share`` of the gradients' bytes, ``None``: the plan's
     default): the gradients ``needs`` asks for (times ``grad_scale``), the input's summed
-    over the vocabulary's shards."""
+    over the vocabulary's shards. A CPU call that asks for none, without a companion, whose
+    row math the compiled loops take, runs the statistics pass instead
+    (:func:`~linear_ce.engine.stats_pass.run_stats_pass`; ``LINEAR_CE_STATS_BLOCK=off``: not)."""
     rows, in_features = input.shape
 
     def plan_for(tiles: int) -> Plan:
