@@ -46,7 +46,9 @@ def run_stats_pass(
     plan: Plan,
     loops: NativeRows,
 ) -> None:
-    """The per-row outputs of ``head`` (``rows_done``) for ``input`` ``(N, F)`` and
+    """The per-row outputs of ``head`` (``rows_done``; a head the compiled loops take, with
+    :class:`~linear_ce.engine.head.NativeRowsHead`'s ``native_targets`` and ``native_sums``)
+    for ``input`` ``(N, F)`` and
     ``weight`` ``(V, P, F)`` (logits ``x Wᵀ · scale``), by the statistics pass of ``plan``
     (``rows_per_chunk`` rows per group, ``classes_per_block`` classes per block) with the
     compiled ``loops`` of the tile's dtype: the input's with native half GEMMs
