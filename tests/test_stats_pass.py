@@ -28,9 +28,8 @@ from linear_ce.engine.stats_pass import combine_blocks
 CPU = torch.device("cpu")
 NATIVE_GEMM = "LINEAR_CE_NATIVE_HALF_GEMM"
 #: The pass runs the compiled row loops; where they do not build, calls keep the chunk loop.
-needs_loops = pytest.mark.skipif(
-    native_rows(torch.float32) is None, reason="the compiled row loops do not build here"
-)
+LOOPS_OFF = "the compiled row loops are off here (LINEAR_CE_NATIVE_ROWS=0) or do not build"
+needs_loops = pytest.mark.skipif(native_rows(torch.float32) is None, reason=LOOPS_OFF)
 
 
 def _inputs(dtype, rows=203, features=48, classes=700, seed=3, ignored=0.2):
@@ -47,7 +46,7 @@ def spy(monkeypatch):
     """The plans of the calls that reached the statistics pass (the test skips where the
     compiled row loops do not build)."""
     if native_rows(torch.float32) is None:
-        pytest.skip("the compiled row loops do not build here")
+        pytest.skip(LOOPS_OFF)
     calls = []
     original = stats_pass.run_stats_pass
 
