@@ -1540,9 +1540,9 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
             (
                 "    stats[:, 0] = sums.sum_exp\n"
                 "    head.native_sums(sums.target_u, sums.dot, stats[:, 1:])\n"
-                "    row_stats = _row_stats(sums.row_max, stats)\n"
+                "    row_stats = RowStats.of(sums.row_max, stats)\n"
                 "    head.rows_done(rows, p, row_stats)\n",
-                "    row_stats = _row_stats(sums.row_max, stats)\n"
+                "    row_stats = RowStats.of(sums.row_max, stats)\n"
                 "    head.rows_done(rows, p, row_stats)\n"
                 "    stats[:, 0] = sums.sum_exp\n"
                 "    head.native_sums(sums.target_u, sums.dot, stats[:, 1:])\n",
