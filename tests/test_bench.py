@@ -320,9 +320,9 @@ def test_report_names_the_cpu_family_and_model():
         "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
         "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n"
     )
-    assert cpu_identity(cpuinfo, "32768K") == "family 26, model 2, L3 32768K"
-    assert cpu_identity(cpuinfo, "") == "family 26, model 2"
-    assert cpu_identity("processor\t: 0\nmodel name\t: Neoverse\n", "") is None
+    assert cpu_identity(cpuinfo, 32 << 20) == "family 26, model 2, L3 32 MiB"
+    assert cpu_identity(cpuinfo, None) == "family 26, model 2"
+    assert cpu_identity("processor\t: 0\nmodel name\t: Neoverse\n", None) is None
     info = {"cpu": "AMD EPYC", "cpu_identity": "family 26, model 2, L3 32768K", "cores": 2}
     title = _title({"machine": {**info, "torch": "2.13.0"}, "device": "cpu", "repeats": 3})
     assert title.startswith("AMD EPYC (family 26, model 2, L3 32768K), 2 cores, torch 2.13.0")

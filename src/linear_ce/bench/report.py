@@ -281,21 +281,12 @@ def write_plot(summaries: list[tuple[Point, list[Row]]], dim: str, path: Path, t
     plt.close(fig)
 
 
-def cpu_identity(cpuinfo: str | None = None, l3: str | None = None) -> str | None:
-    """``"family F, model M, L3 S"`` of the first CPU in ``/proc/cpuinfo`` (and
-    ``/sys``'s level-3 cache size), or ``None`` where there is none: a virtual machine
-    may name every generation of a vendor's CPU alike ("AMD EPYC" on a Zen 4 and a Zen 5,
-    with the same AVX-512 flags), so the model name alone does not tell which was measured."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    if l3 is None:
-        try:
-            l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
-        except OSError:
-            l3 = ""
+def cpu_identity(cpuinfo: str, cache_bytes: int | None) -> str | None:
+    """``"family F, model M, L3 S MiB"`` of the first CPU in ``cpuinfo`` (the text of
+    ``/proc/cpuinfo``) and its last-level cache's ``cache_bytes``, or ``None`` where it
+    names no family: a virtual machine may name every generation of a vendor's CPU alike
+    ("AMD EPYC" on a Zen 4 and a Zen 5, with the same AVX-512 flags), so the model name
+    alone does not tell which was measured."""
     fields = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
@@ -307,19 +298,27 @@ def cpu_identity(cpuinfo: str | None = None, l3: str | None = None) -> str | Non
     if "cpu family" not in fields:
         return None
     text = f"family {fields['cpu family']}, model {fields.get('model', '?')}"
-    return text + (f", L3 {l3}" if l3 else "")
+    return text + (f", L3 {cache_bytes / (1 << 20):g} MiB" if cache_bytes else "")
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def machine() -> dict:
     """CPU model (and :func:`cpu_identity`), the CPU features the plan's choices depend on,
     cores, torch version, the ``LINEAR_CE_*`` settings of the run, GPU name where one is
     present."""
+    from linear_ce.engine.capability import last_level_cache_bytes
     from linear_ce.engine.machine import machine_info
 
     own = machine_info()
     info = {
         "cpu": own["cpu"],
-        "cpu_identity": cpu_identity(),
+        "cpu_identity": cpu_identity(_cpuinfo(), last_level_cache_bytes()),
         "cpu_flags": own["flags"],
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
