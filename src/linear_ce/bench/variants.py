@@ -464,13 +464,9 @@ def describe_plan(point: Point, acc_policy: str = "auto", gradients: bool = True
 
     dtype, device = point.torch_dtype, torch.device(point.device)
     options = LinearCrossEntropyOptions(acc_policy=acc_policy)
-    # Without gradients a CPU call whose row loops build takes the statistics pass.
-    stats = (
-        not gradients
-        and device.type == "cpu"
-        and machine.forced_stats_block() != 0
-        and _row_loops(make_plan(point.N, point.D, point.V, dtype, device, options)) == "compiled"
-    )
+    # Without gradients a CPU call takes the statistics pass where the compiled loops of its
+    # tile's dtype build (engine.chunk_loop.run_head; the cross-entropy head takes them).
+    stats = not gradients and device.type == "cpu" and machine.forced_stats_block() != 0
 
     def plan_now():
         return make_plan(
@@ -479,6 +475,9 @@ def describe_plan(point: Point, acc_policy: str = "auto", gradients: bool = True
         )  # fmt: skip
 
     plan = plan_now()
+    if stats and not _stats_loops(plan):
+        stats = False
+        plan = plan_now()
     saved = os.environ.get(machine.MEASURE_ENV)
     os.environ[machine.MEASURE_ENV] = "0"
     try:
@@ -571,12 +570,24 @@ def _plan_fields(plan, rows: int, stats_pass: bool = False) -> dict:
     }
 
 
+def _stats_loops(plan) -> bool:
+    """Whether the compiled loops take a statistics pass's tile on ``plan``: fp32 row math,
+    and the loops of the tile's dtype (the input's with native half GEMMs) build."""
+    from linear_ce.engine.native_rows import native_rows
+
+    native = type(plan.gemm).__name__ == "NativeHalf"
+    tile = plan.input_dtype if native else plan.acc_dtype
+    return plan.acc_dtype == torch.float32 and native_rows(tile) is not None
+
+
 def _row_loops(plan, stats_pass: bool = False) -> str | None:
     from linear_ce.engine.native_rows import native_rows
 
+    if stats_pass:
+        return "compiled"
     if type(plan.gemm).__name__ == "CudaOutDtype" or plan.input_dtype == torch.float64:
         return None
-    half_tile = plan.rows_per_step < plan.rows_per_chunk or stats_pass
+    half_tile = plan.rows_per_step < plan.rows_per_chunk
     if plan.input_dtype in HALF_DTYPES and not half_tile:
         return "torch"
     return "compiled" if native_rows(plan.input_dtype) is not None else "torch"

@@ -516,7 +516,7 @@ def run_head(
     (:func:`~linear_ce.engine.stats_pass.run_stats_pass`; ``LINEAR_CE_STATS_BLOCK=off``: not)."""
     rows, in_features = input.shape
 
-    def plan_for(tiles: int) -> Plan:
+    def plan_for(tiles: int, **pass_kind: bool) -> Plan:
         return make_plan(
             rows,
             in_features,
@@ -529,21 +529,12 @@ def run_head(
             half_tile=companion is None,
             longest=companion is not None,
             gradients=any(needs),
+            **pass_kind,
         )
 
     cpu = input.device.type == "cpu"
     if cpu and not any(needs) and companion is None and forced_stats_block() != 0:
-        plan = make_plan(
-            rows,
-            in_features,
-            vocab.plan_classes,
-            input.dtype,
-            input.device,
-            options,
-            gradients=False,
-            stats_pass=True,
-            gathered=not bool(head.valid.all()),
-        )
+        plan = plan_for(1, stats_pass=True, gathered=not bool(head.valid.all()))
         half = isinstance(plan.gemm, NativeHalf)
         loops = _native_rows(input, plan.acc_dtype, head, transform, vocab, bias, None, half)
         if loops is not None:

@@ -488,8 +488,9 @@ def make_plan(
     elif stats_pass:
         call = ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype)
         loops_dtype = input_dtype if isinstance(gemm, NativeHalf) else acc_dtype
-        cache = last_level_cache_bytes() or STATS_TILE_FALLBACK_BYTES / STATS_TILE_CACHE_SHARE
-        cache_share = STATS_TILE_CACHE_SHARE * cache / max(call.grad_bytes, 1)
+        cache = last_level_cache_bytes()
+        tile_bytes = STATS_TILE_CACHE_SHARE * cache if cache else STATS_TILE_FALLBACK_BYTES
+        cache_share = tile_bytes / max(call.grad_bytes, 1)
         rows_per_chunk, classes_per_block = choose_vocab_blocks(
             call,
             loops_dtype.itemsize,
