@@ -307,3 +307,33 @@ def test_token_objective_entropy_by_blocks(dtype, monkeypatch, spy):
         )  # fmt: skip
     assert spy
     assert rel_err(got, ref) <= _bound(dtype, rel_err(own, ref))
+
+
+@pytest.mark.parametrize("native_gemm", ["1", "0"], ids=["native-half", "fp32-tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_groups_and_blocks(dtype, native_gemm, monkeypatch, spy):
+    """At scale: 8192 rows (a third of them ignored) in groups of 256, 300 classes in blocks
+    of 32 (ten, the last of 12), D = 16: per-row loss and its sum within 3 eps or twice the
+    plain same-dtype expression's own error of float64. An error that grew with the number
+    of groups or blocks would show here."""
+    monkeypatch.setenv(STATS_BLOCK_ENV, "32")
+    monkeypatch.setenv(NATIVE_GEMM, native_gemm)
+    x, w, t = _inputs(dtype, rows=8192, features=16, classes=300, seed=11, ignored=1 / 3)
+    options = linear_ce.LinearCrossEntropyOptions(batch_chunk_size=256)
+
+    def plain(x_, w_):
+        z = x_ @ w_.T
+        z = z if z.dtype == torch.float64 else z.float()
+        loss = F.cross_entropy(z, t, reduction="none", ignore_index=-100)
+        return loss, loss.sum()
+
+    ref_rows, ref_sum = plain(x, w)
+    own_rows, own_sum = plain(x.to(dtype), w.to(dtype))
+    with torch.no_grad():
+        rows = linear_ce.linear_cross_entropy(
+            x.to(dtype), w.to(dtype), t, reduction="none", options=options,
+            loss_dtype=torch.float32,
+        )  # fmt: skip
+    assert spy and (spy[-1].rows_per_chunk, spy[-1].classes_per_block) == (256, 32)
+    assert rel_err(rows, ref_rows) <= _bound(dtype, rel_err(own_rows, ref_rows))
+    assert rel_err(rows.double().sum(), ref_sum) <= _bound(dtype, rel_err(own_sum, ref_sum))
