@@ -2170,6 +2170,52 @@ _STATS_PASS = (
     ),
 )
 
+_SCRATCH_FILE = "src/linear_ce/engine/scratch.py"
+_SCRATCH_TESTS = ("tests/test_scratch.py",)
+_SCRATCH = (
+    Mutation(
+        "scratch",
+        "a buffer still referenced when its loop returns is kept and handed out again",
+        _SCRATCH_FILE,
+        (("    free = [b for b in taken if _unreferenced(b)]", "    free = list(taken)"),),
+        _SCRATCH_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "scratch",
+        "a taken buffer left in the pool, so two takers share it",
+        _SCRATCH_FILE,
+        (
+            (
+                "buffer = _kept.pop(min(fits, key=lambda i: _kept[i].numel())) if fits else None",
+                "buffer = _kept[min(fits, key=lambda i: _kept[i].numel())] if fits else None",
+            ),
+        ),
+        _SCRATCH_TESTS,
+    ),
+    Mutation(
+        "scratch",
+        "a request served from any larger kept buffer, however much larger",
+        _SCRATCH_FILE,
+        (("if nbytes <= b.numel() <= nbytes + nbytes // 8]", "if nbytes <= b.numel()]"),),
+        _SCRATCH_TESTS,
+    ),
+    Mutation(
+        "scratch",
+        "the pool never trimmed to the last call's scratch",
+        _SCRATCH_FILE,
+        (("        _kept[:] = free", "        _kept.extend(free)"),),
+        _SCRATCH_TESTS,
+    ),
+    Mutation(
+        "scratch",
+        "the bench's peak leaves out the scratch a call found kept",
+        "src/linear_ce/bench/measure.py",
+        (('before = _status_bytes("VmRSS") - kept_bytes()', 'before = _status_bytes("VmRSS")'),),
+        ("tests/test_scratch.py", "-k", "bench"),
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -2186,6 +2232,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_NATIVE_ROWS,
     *_PAIR_LOOPS,
     *_STATS_PASS,
+    *_SCRATCH,
 )
 
 

@@ -3,7 +3,9 @@
 ``transient_peak(setup, call)`` runs ``setup`` (builds the inputs, warms up),
 reads ``VmRSS`` and resets the peak (``echo 5 > /proc/self/clear_refs``), runs
 ``call``, and returns ``VmHWM`` minus that ``VmRSS`` in bytes: the peak
-resident growth caused by the call, inputs excluded. A separate process per
+resident growth caused by the call, inputs excluded. Scratch that linear_ce kept
+from a warm-up call (``linear_ce.kept_scratch_bytes()``) counts as the call's: it is
+memory the call needs, found already there. A separate process per
 measurement keeps earlier allocations (and the allocator's cache) out of it.
 
 ``transient_peaks(preamble, cases)`` measures several ``(setup, call)`` pairs
@@ -42,9 +44,14 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
+def _kept_kib() -> int:
+    linear_ce = sys.modules.get("linear_ce")
+    return 0 if linear_ce is None else linear_ce.kept_scratch_bytes() // 1024
+
+
 def _measure(scope: dict, setup: str, call: str) -> int:
     exec(setup, scope)
-    before = _status_kib("VmRSS")
+    before = _status_kib("VmRSS") - _kept_kib()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     exec(call, scope)

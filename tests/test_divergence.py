@@ -639,14 +639,18 @@ def test_chunks_take_the_distillation_share(monkeypatch, share, native, tiles):
         (1024, 1024, 2048),
     ],
 )
-def test_transient_memory_within_student_gradients(shape):
+@pytest.mark.parametrize("loops", ["auto", "0"], ids=["pair-loops", "torch-head"])
+def test_transient_memory_within_student_gradients(shape, loops):
     """fp32 mean forward+backward stays within 1.5× the student's gradients' bytes (at
-    hidden sizes where the chunk rule, not its 128-row floor, sets the chunk)."""
+    hidden sizes where the chunk rule, not its 128-row floor, sets the chunk), with the
+    pair loops and with the head's torch math and its scratch blocks
+    (``LINEAR_CE_NATIVE_ROWS=0``)."""
     n, d, v = shape
     # Everything that runs torch's thread pool happens in the forked child (a pool
     # started before a fork does not survive it); a fixed mmap threshold makes the
     # peak count the bytes the call holds (as tests/test_memory_bounds.py).
     preamble = (
+        f"import os\nos.environ['LINEAR_CE_NATIVE_ROWS'] = {loops!r}\n"
         "import ctypes, gc\nimport torch, linear_ce\nctypes.CDLL(None).mallopt(-3, 128 * 1024)\n"
     )
     setup = (

@@ -33,6 +33,7 @@ ALLOWED = {
     "sequence_objective": _PUBLIC,
     "sparse_divergence": _PUBLIC,
     "reference": {"checks", "engine", "outputs"},
+    "memory": {"engine"},
     "module": {"functional", "options", "outputs"},
     "distributed": {
         "functional",

@@ -10,6 +10,7 @@ import importlib.metadata
 from linear_ce import objectives, reference
 from linear_ce.divergence import linear_divergence
 from linear_ce.functional import linear_cross_entropy
+from linear_ce.memory import kept_scratch_bytes, release_scratch
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.outputs import LinearCrossEntropyOutput
@@ -29,10 +30,12 @@ __all__ = [
     "LinearCrossEntropyOutput",
     "SequenceObjectiveOutput",
     "TokenLogprobs",
+    "kept_scratch_bytes",
     "linear_cross_entropy",
     "linear_divergence",
     "objectives",
     "reference",
+    "release_scratch",
     "sequence_objective",
     "sparse_divergence",
     "token_logprobs",

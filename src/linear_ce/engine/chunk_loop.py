@@ -84,6 +84,7 @@ from linear_ce.engine.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.row_reductions import row_max as tile_row_max
 from linear_ce.engine.row_reductions import row_sum
+from linear_ce.engine.scratch import keeps_scratch
 from linear_ce.engine.stats_pass import run_stats_pass
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
@@ -223,6 +224,7 @@ def tiles_for(
 
 
 @without_autocast
+@keeps_scratch
 def run_chunks(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -284,7 +286,7 @@ def run_chunks(
     else:
         tile = None if native and half else buffer(step, local_classes, acc, device)
     exp_tile = (
-        torch.empty_like(tile)
+        buffer(step, local_classes, acc, device)
         if not loops and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
         else None
     )
@@ -296,7 +298,7 @@ def run_chunks(
     )
     block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
     sech2 = (
-        torch.empty_like(tile)
+        buffer(step, local_classes, acc, device)
         if not loops and want_grads and transform.softcap is not None
         else None
     )

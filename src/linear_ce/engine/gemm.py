@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from linear_ce.engine.scratch import scratch
+
 __all__ = [
     "VOCAB_BLOCK_ELEMENTS",
     "BlockUpcast",
@@ -80,8 +82,8 @@ class Gemm:
         weight-gradient GEMM reads it without a transpose; or row-major where
         ``class_major`` is false."""
         if not self.class_major:
-            return torch.empty((rows, classes), dtype=dtype, device=device)
-        return torch.empty((classes, rows), dtype=dtype, device=device).T
+            return scratch((rows, classes), dtype, device)
+        return scratch((classes, rows), dtype, device).T
 
     def logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """``out = x @ weight.T``."""
@@ -199,7 +201,7 @@ class NativeHalf(Gemm):
         block, widened and written back at copy speed, where a class-major tile's
         strided rows took ~5× longer; a bf16 training step at N=2048, F=1024,
         V=32768 ran 10–20% faster (paired rounds, 2-core Zen 4; its GEMMs within noise)."""
-        return torch.empty((rows, classes), dtype=dtype, device=device)
+        return scratch((rows, classes), dtype, device)
 
     def half_logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """``out = x @ weight.T`` into a half tile from :meth:`half_tile_buffer`."""

@@ -34,10 +34,12 @@ from linear_ce.engine.head import Head, RowStats
 from linear_ce.engine.native_rows import NativeRows
 from linear_ce.engine.plan import Plan
 from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, rows_of
+from linear_ce.engine.scratch import keeps_scratch, scratch
 
 __all__ = ["combine_blocks", "run_stats_pass"]
 
 
+@keeps_scratch
 def run_stats_pass(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -61,7 +63,7 @@ def run_stats_pass(
     chunks = row_chunks(head.valid, group, device)
     x_rows_buf, _ = gather_buffers(chunks, group, input, plan.acc_dtype, False)
     # One flat tile: each block's ``(rows, classes)`` view is dense in it.
-    flat = torch.empty(group * block, dtype=loops.dtype, device=device)
+    flat = scratch((group * block,), loops.dtype, device)
     starts = range(0, classes, block)
     for p in range(positions):
         w_op = gemm.weight_operand(weight[:, p, :])

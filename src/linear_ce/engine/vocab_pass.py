@@ -50,6 +50,7 @@ from linear_ce.engine.head import KnownStatsHead
 from linear_ce.engine.native_rows import native_rows
 from linear_ce.engine.plan import Plan, make_plan
 from linear_ce.engine.row_chunks import chunk_size, gather_buffers, row_chunks, rows_of
+from linear_ce.engine.scratch import keeps_scratch, scratch
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -86,6 +87,7 @@ def vocab_pass_gradients(
 
 
 @without_autocast
+@keeps_scratch
 def run_vocab_pass(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -110,8 +112,12 @@ def run_vocab_pass(
     # block and group get dense tiles too.
     half = _half_blocks(input, plan, head, transform, bias)
     class_major = not half and gemm.logits_buffer(2, 3, acc, device).stride(0) == 1
-    tile_store = torch.empty(group * block, dtype=plan.input_dtype if half else acc, device=device)
-    sech2_store = torch.empty_like(tile_store) if transform.softcap is not None else None
+    tile_store = scratch((group * block,), plan.input_dtype if half else acc, device)
+    sech2_store = (
+        scratch((group * block,), tile_store.dtype, device)
+        if transform.softcap is not None
+        else None
+    )
     x_rows_buf, gx_rows_buf = gather_buffers(groups, group, input, acc, grad_input)
     grad_x = torch.zeros((rows, in_features), dtype=acc, device=device) if grad_input else None
     grad_w = (
