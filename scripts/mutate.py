@@ -2202,6 +2202,18 @@ _SCRATCH = (
     ),
     Mutation(
         "scratch",
+        "the split sum's position that no chunk reached read from its unzeroed memory",
+        "src/linear_ce/engine/accumulate.py",
+        (
+            (
+                "                self.result[:, position].zero_()\n                continue\n",
+                "                pass\n",
+            ),
+        ),
+        ("tests/test_precision.py", "-k", "no_zeroed"),
+    ),
+    Mutation(
+        "scratch",
         "the pool never trimmed to the last call's scratch",
         _SCRATCH_FILE,
         (("        _kept[:] = free", "        _kept.extend(free)"),),

@@ -101,6 +101,26 @@ def test_split_sum_stays_at_the_rounded_exact_sum(dtype, monkeypatch):
     assert rel_err(got, exact) <= {torch.bfloat16: 1.02, torch.float16: 1.25}[dtype] * rounding
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_split_sum_needs_no_zeroed_memory(dtype):
+    """A result full of NaN: a position's first chunk overwrites it (the same sum as on
+    a zeroed result, near the exact one), and a position that no chunk reached (every row
+    ignored) comes back zero."""
+    gen = torch.Generator().manual_seed(4)
+    chunks = [(torch.randn(3, 9, generator=gen), torch.randn(3, 5, generator=gen)) for _ in "ab"]
+    sums = []
+    for fill in (float("nan"), 0.0):
+        acc = SplitSum(torch.full((9, 2, 5), fill, dtype=dtype), SameDtype(torch.float32))
+        for g, x in chunks:
+            acc.add(0, g, x)
+        sums.append(acc.finish())
+    got, zeroed = sums
+    assert torch.equal(got, zeroed)
+    exact = sum(g.double().T @ x.double() for g, x in chunks)
+    assert rel_err(got[:, 0], exact) <= 2 * rel_err(exact.to(dtype), exact)
+    assert torch.equal(got[:, 1], torch.zeros(9, 5, dtype=dtype))
+
+
 def test_split_sum_keeps_infinities():
     acc = SplitSum(torch.zeros(3, 1, 2, dtype=torch.bfloat16), SameDtype(torch.float32))
     g = torch.tensor([[1.0, float("inf"), -1.0]])

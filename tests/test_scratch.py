@@ -18,7 +18,9 @@ import torch.nn.functional as F
 import linear_ce
 from conftest import eps, rel_err
 from linear_ce.bench.measure import measure
+from linear_ce.engine import chunk_loop
 from linear_ce.engine import scratch as scratch_module
+from linear_ce.engine.accumulate import DirectSum, SplitSum
 from linear_ce.engine.scratch import KEEP_SCRATCH_ENV, keeps_scratch, kept_bytes, release, scratch
 
 CPU = torch.device("cpu")
@@ -92,6 +94,52 @@ def test_kept_scratch_changes_no_result(call, dtype, monkeypatch):
     release()
     fresh = call(*_inputs(dtype))
     assert kept_bytes() == 0
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["split", "wide"])
+def test_kept_weight_gradient_sums_change_no_result(kind, monkeypatch):
+    """bf16 steps whose weight gradient is summed in scratch: the split sum's low-order
+    plane (many chunks) and the wide fp32 sum (``acc_policy="accurate"``), on kept buffers
+    full of NaN, equal the same steps on fresh scratch bit for bit."""
+    sums = []
+    original = chunk_loop.weight_grad_sum
+
+    def spy(*args, **kwargs):
+        sums.append(original(*args, **kwargs))
+        return sums[-1]
+
+    monkeypatch.setattr(chunk_loop, "weight_grad_sum", spy)
+    options = linear_ce.LinearCrossEntropyOptions(
+        acc_policy="accurate" if kind == "wide" else "auto"
+    )
+    if kind == "split":
+        monkeypatch.setenv("LINEAR_CE_CHUNK_ROWS", "32")
+
+    def step(x, w, t):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_ce.linear_cross_entropy(xs, ws, t, ignore_index=-100, options=options).backward()
+        return xs.grad, ws.grad
+
+    x, w, t = _inputs(torch.bfloat16)
+    # A 1-dimensional loss whose second position has every row ignored: that position's
+    # sum is never written, and its gradient is zero.
+    w2 = torch.stack([w, w.flip(0)], 1)
+    t2 = torch.stack([t, torch.full_like(t, -100)], 1)
+
+    def poisoned(*inputs):
+        # The same shapes first (so the kept buffers fit), on other values, then NaN.
+        step(*(i.flip(0) for i in inputs))
+        _poison_kept()
+        return step(*inputs)
+
+    kept = poisoned(x, w, t) + poisoned(x, w2, t2)
+    expected = SplitSum if kind == "split" else DirectSum
+    assert isinstance(sums[-1], expected)
+    monkeypatch.setenv(KEEP_SCRATCH_ENV, "0")
+    release()
+    fresh = step(x, w, t) + step(x, w2, t2)
     for a, b in zip(kept, fresh, strict=True):
         assert torch.equal(a, b)
 

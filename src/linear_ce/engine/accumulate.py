@@ -46,6 +46,7 @@ import torch
 
 from linear_ce.engine.capability import HALF_DTYPES
 from linear_ce.engine.gemm import Gemm, vocab_blocks
+from linear_ce.engine.scratch import scratch
 
 if TYPE_CHECKING:
     from linear_ce.engine.plan import Plan
@@ -161,8 +162,9 @@ class DirectSum:
 
 
 class SplitSum:
-    """An fp32 sum held in ``result``, a zeroed half ``(V, P, F)`` tensor, plus a low-order
-    plane (see module doc)."""
+    """An fp32 sum held in ``result``, a half ``(V, P, F)`` tensor, plus a low-order plane
+    (see module doc). Neither need be zeroed: a position's first chunk writes both, and
+    ``finish`` zeroes a position no chunk reached."""
 
     def __init__(self, result: torch.Tensor, gemm: Gemm, *, pair_chunks: bool = False) -> None:
         if result.dtype not in HALF_DTYPES:
@@ -171,9 +173,10 @@ class SplitSum:
         self.result = result
         self.gemm = gemm
         self._high = self.result.view(torch.int16)
-        self._low = torch.zeros(shape, dtype=torch.uint8, device=device)
+        # Written by each position's first chunk before it is read (``_update``).
+        self._low = scratch(tuple(shape), torch.uint8, device)
         block = next(vocab_blocks(shape[0], shape[-1], CACHE_BLOCK_ELEMENTS)).stop
-        self._scratch = torch.empty((block, shape[-1]), dtype=torch.float32, device=device)
+        self._scratch = scratch((block, shape[-1]), torch.float32, device)
         self._started: set[int] = set()
         self._pair_chunks = pair_chunks
         self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -202,6 +205,10 @@ class SplitSum:
             self._update(position, [(grad_logits, x)])
         classes, features = self.result.shape[0], self.result.shape[-1]
         for position in range(self.result.shape[1]):
+            if position not in self._started:
+                # No chunk reached it (every row ignored): the plane was never written.
+                self.result[:, position].zero_()
+                continue
             for block in vocab_blocks(classes, features, CACHE_BLOCK_ELEMENTS):
                 summed = self._unpack(block, position, zero=False)
                 if scale is not None:
@@ -264,10 +271,11 @@ def weight_grad_sum(
             plan.gemm.operand_dtype == plan.input_dtype
             and plan.rows_per_step == plan.rows_per_chunk
         )
-        result = torch.zeros(shape, dtype=plan.input_dtype, device=device)
+        result = torch.empty(shape, dtype=plan.input_dtype, device=device)
         return SplitSum(result, plan.gemm, pair_chunks=pair)
     if plan.weight_grad == "wide":
-        wide = torch.empty(shape, dtype=plan.weight_grad_dtype, device=device)
+        # The wide sum is rounded into a new result by ``finish``: scratch of the loop's.
+        wide = scratch(tuple(shape), plan.weight_grad_dtype, device)
         return DirectSum(wide, plan.gemm, plan.input_dtype, scale=scale)
     return DirectSum(
         torch.empty(shape, dtype=plan.input_dtype, device=device), plan.gemm, scale=scale
