@@ -272,6 +272,28 @@ def test_plan_note_says_which_row_loops_run(monkeypatch, mode):
     assert plan_note({**fields, **extra}).endswith(f", {loops} row loops")
 
 
+def test_worker_plan_names_the_kept_scratch(monkeypatch):
+    """The worker's plan answer, asked after the warm-up call, holds the scratch kept
+    between calls, and the table's note says it."""
+    import io
+
+    from linear_ce.bench.variants import plan_note
+    from linear_ce.bench.worker import serve
+    from linear_ce.engine import scratch
+
+    monkeypatch.setattr(scratch, "MIN_KEPT_BYTES", 0)
+    scratch.release()
+    point = {"N": 64, "D": 16, "V": 4096, "dtype": "fp32", "device": "cpu"}
+    commands = [{"op": "setup", "point": point}, {"op": "run"}, {"op": "plan"}, {"op": "exit"}]
+    out = io.StringIO()
+    serve("linear_ce", [json.dumps(c) for c in commands], out)
+    plan = json.loads(out.getvalue().splitlines()[2])["plan"]
+    kept = scratch.kept_bytes()
+    scratch.release()
+    assert kept > 0 and plan["kept_scratch_bytes"] == kept
+    assert plan_note(plan).endswith(f"; {kept / 2**20:.0f} MiB scratch kept between calls")
+
+
 @pytest.mark.parametrize(
     ("variant", "head", "outs"),
     [("floor", "ce", 1), ("floor-fwd", "ce", 1), ("floor-2heads", "divergence", 2)],

@@ -595,8 +595,9 @@ def _row_loops(plan, stats_pass: bool = False) -> str | None:
 
 def plan_note(plan: dict | None) -> str:
     """A line of the table about a plan from :func:`describe_plan`: its chunks, tile layout
-    and GEMM backend, the fixed rule's where they differ, and the measured rates (the
-    faster layout's, by rows) where a steady measurement is known."""
+    and GEMM backend, the fixed rule's where they differ, the measured rates (the
+    faster layout's, by rows) where a steady measurement is known, and the scratch the
+    worker's calls found kept (``kept_scratch_bytes``, :mod:`linear_ce.engine.scratch`)."""
     if not plan:
         return ""
 
@@ -629,6 +630,9 @@ def plan_note(plan: dict | None) -> str:
         text += f"; half/fp32 GEMM {half[0]:.2f}×"
         if not (half[-2] <= 1 + machine.NOISE_LIMIT and half[-1] >= machine.MIN_BUSY):
             text += " (unsteady: not used)"
+    kept = plan.get("kept_scratch_bytes")
+    if kept:
+        text += f"; {kept / 2**20:.0f} MiB scratch kept between calls"
     return text
 
 

@@ -3,7 +3,8 @@
 Commands, one JSON object a line: ``{"op": "setup", "point": {...}}`` builds
 the inputs and the call; ``{"op": "run"}`` measures one call and answers
 ``{"seconds": s, "peak_bytes": b}``; ``{"op": "plan"}`` answers ``{"plan": {...}}``,
-what the variant's plan chose (``None`` for variants without one); ``{"op": "free"}``
+what the variant's plan chose and the scratch kept since its warm-up call
+(``None`` for variants without one); ``{"op": "free"}``
 drops the inputs.
 Any failure is answered ``{"error": "..."}`` and the worker keeps serving.
 Started by :mod:`linear_ce.bench.runner` as ``python -m linear_ce.bench.worker NAME``.
@@ -21,6 +22,7 @@ import torch
 from linear_ce.bench.config import Point
 from linear_ce.bench.measure import measure
 from linear_ce.bench.variants import VARIANTS, make_inputs
+from linear_ce.engine.scratch import kept_bytes
 
 
 def serve(name: str, commands, answers) -> None:
@@ -48,7 +50,11 @@ def serve(name: str, commands, answers) -> None:
                 answer = {"seconds": sample.seconds, "peak_bytes": sample.peak_bytes}
             elif op == "plan":
                 describe = variant.describe
-                answer = {"plan": None if describe is None or call is None else describe(point)}
+                plan = None if describe is None or call is None else describe(point)
+                if plan is not None:
+                    # After the warm-up: the scratch the measured calls find kept.
+                    plan["kept_scratch_bytes"] = kept_bytes()
+                answer = {"plan": plan}
             elif op == "free":
                 call = None
                 answer = {"ok": True}
