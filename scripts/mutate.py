@@ -2214,6 +2214,13 @@ _SCRATCH = (
     ),
     Mutation(
         "scratch",
+        "a forked child starts with its parent's kept scratch",
+        _SCRATCH_FILE,
+        (("os.register_at_fork(after_in_child=_forked)", "_forked"),),
+        ("tests/test_scratch.py", "-k", "fork"),
+    ),
+    Mutation(
+        "scratch",
         "the pool never trimmed to the last call's scratch",
         _SCRATCH_FILE,
         (("        _kept[:] = free", "        _kept.extend(free)"),),

@@ -227,6 +227,24 @@ def test_loop_that_raises_keeps_nothing_it_held():
     assert kept_bytes() == 0
 
 
+def test_forked_child_keeps_nothing():
+    """A child process (a data loader's worker) starts with nothing kept."""
+    import os
+
+    _loop([2 * MIB])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, str(kept_bytes()).encode())
+        os._exit(0)
+    os.close(write)
+    child = int(os.read(read, 64))
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert child == 0
+    assert kept_bytes() == 2 * MIB
+
+
 def test_outside_a_loop_nothing_is_kept():
     t = scratch((MIB,), torch.float32, CPU)
     assert t.shape == (MIB,) and t.dtype == torch.float32

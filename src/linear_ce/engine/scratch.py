@@ -13,14 +13,15 @@ in a training loop whose head keeps its tile. So the loops (:func:`keeps_scratch
 give their large buffers (:func:`scratch`, at least :data:`MIN_KEPT_BYTES`) back here
 when they return. The next call takes a kept buffer that holds what it asks for with at
 most an eighth to spare. Where none does, every kept buffer is freed before it
-allocates. So a call never holds more than its own scratch, and an eighth: a
+allocates, so a kept buffer never sits beside a new one. Without that bound, a
 ``token_logprobs`` backward that took its forward's 32 MiB tile for a 16.5 MiB one
 measured 1.49× the gradients' bytes against 1.26× (fp32, N=512, D=1024, V=16384). What
 a call returns replaces what was kept. So between calls the process holds one call's
 scratch, the last one's, which the plan's memory budget already bounds.
 
 A buffer that something still references when its loop returns is never kept. An
-exception's traceback is such a reference.
+exception's traceback is such a reference. A forked child starts with nothing kept
+(a data loader's worker would otherwise hold copies of the parent's tiles).
 
 ``LINEAR_CE_KEEP_SCRATCH=0`` turns keeping off (every call's scratch is fresh, as
 before); :func:`release` frees what is kept. Other devices have caching allocators of
@@ -61,6 +62,15 @@ _kept: list[torch.Tensor] = []
 _taken: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
     "linear_ce_scratch_taken", default=None
 )
+
+
+def _forked() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _kept.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 P = ParamSpec("P")
 R = TypeVar("R")
