@@ -10,16 +10,19 @@ Example::
     python -m linear_ce.bench                                  # the default report
     python -m linear_ce.bench --shapes 4096,2048,50257 --dtype fp32 --sweep none
     python -m linear_ce.bench --shapes 4096,1024,32768 --dtype fp32 --sweep none --ignored 0.75
+    python -m linear_ce.bench --sweep none --heads ce,logprobs,objective,divergence \
+        --extra-dtype fp32,bf16 --reductions mean,none --repeats 5      # every target, one run
     python -m linear_ce.bench --device cuda --shapes 8192,4096,128256
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-from linear_ce.bench import config, report
+from linear_ce.bench import config, report, targets
 from linear_ce.bench.runner import run_points
 from linear_ce.bench.variants import DEFAULT, VARIANTS, measured_at
 
@@ -58,8 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ignored",
         default="0.75",
         help="shares of targets set to the ignore index, each measured at the first shape "
-        "in the first dtype (rows then cost no GEMM in linear_ce); 'none' to skip "
-        "(default 0.75)",
+        "in each --extra-dtype and --reductions (rows then cost no GEMM in linear_ce); "
+        "'none' to skip (default 0.75)",
+    )
+    parser.add_argument(
+        "--reductions",
+        default="mean",
+        help="the loss reductions the --ignored points take: mean, sum, none ('none' "
+        "backpropagates the sum of the per-row losses; default mean)",
     )
     parser.add_argument(
         "--heads",
@@ -70,8 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "KL to a teacher head of the same shape, against a four-GEMM floor), 'sparse' "
         "(distillation from a stored teacher's top-64, against the three-GEMM floor), 'dpo' "
         "(a DPO step on pairs of 256-token sequences; its rows are named with --variants), "
-        "all but 'ce' at the first shape in the first dtype (default ce, to keep the default "
-        "run short)",
+        "all but 'ce' at the first shape in each --extra-dtype (default ce, to keep the "
+        "default run short)",
+    )
+    parser.add_argument(
+        "--extra-dtype",
+        default=None,
+        help="dtypes the extra points (--ignored, --heads) run in (default: the first of --dtype)",
     )
     parser.add_argument(
         "--repeats",
@@ -100,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sweep_spec = config.parse_sweep(args.sweep)
         args.ignored_list = config.parse_fractions(args.ignored)
         args.head_list = config.parse_heads(args.heads)
+        args.reduction_list = config.parse_reductions(args.reductions)
+        args.extra_dtypes = (
+            args.dtype_list[:1]
+            if args.extra_dtype is None
+            else config.parse_dtypes(args.extra_dtype)
+        )
         args.sweep_dtypes = (
             args.dtype_list[:1]
             if args.sweep_dtype is None
@@ -140,10 +160,21 @@ def _replot(args: argparse.Namespace) -> int:
 
     meta, summaries = report.read_json(Path(args.replot))
     varies = [d for d in "NDV" if len({getattr(p, d) for p, _ in summaries}) > 1]
-    Console(width=None if sys.stdout.isatty() else 160).print(report.table(summaries, _title(meta)))
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(report.table(summaries, _title(meta)))
+    if "shape" in meta:
+        _print_targets(console, summaries, meta["shape"])
     report.write_plot(summaries, varies[0] if varies else "V", Path(args.plot), _title(meta))
     print(f"plot: {args.plot}")
     return 0
+
+
+def _print_targets(console, summaries, shape) -> list[targets.Target]:
+    found = targets.check(summaries, shape)
+    if found:
+        n, d, v = shape
+        console.print(targets.table(found, f"Targets at N={n} D={d} V={v}, this run"))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         args.sweep_dtypes,
         tuple(args.ignored_list),
         tuple(args.head_list),
+        args.extra_dtypes,
+        tuple(args.reduction_list),
     )
     total = sum(sum(measured_at(name, point) for name in args.variant_list) for point in points) * (
         args.repeats + 1
@@ -188,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             args.repeats,
             lambda text, calls: progress.update(task, advance=calls, description=text),
         )
-    summaries = [(p, report.summarize(p, m)) for p, m in zip(points, results, strict=True)]
+    summaries = report.with_unmasked(
+        [(p, report.summarize(p, m)) for p, m in zip(points, results, strict=True)]
+    )
     meta = {
         "machine": report.machine(),
         "repeats": args.repeats,
@@ -196,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(
             ["python -m linear_ce.bench", *(argv if argv is not None else sys.argv[1:])]
         ),
+        "shape": list(args.shape_list[0]),
     }
     title = _title(meta)
     console.print(report.table(summaries, title))
+    meta["targets"] = [
+        dataclasses.asdict(t) for t in _print_targets(console, summaries, args.shape_list[0])
+    ]
     dim = args.sweep_spec[0] if args.sweep_spec else "V"
     report.write_plot([s for s in summaries if s[0].swept], dim, Path(args.plot), title)
     report.write_json(summaries, meta, Path(args.json))

@@ -13,6 +13,7 @@ __all__ = [
     "parse_dtypes",
     "parse_fractions",
     "parse_heads",
+    "parse_reductions",
     "parse_shapes",
     "parse_sweep",
     "points",
@@ -44,11 +45,16 @@ _SHORT = {
 #: from a stored teacher's top-64 (:func:`linear_ce.sparse_divergence`).
 HEADS = ("ce", "logprobs", "objective", "divergence", "dpo", "sparse")
 
+#: The cross-entropy reductions a masked point can take (``--reductions``): the loss's
+#: ``reduction``; ``"none"`` is backpropagated through the sum of the per-row losses.
+REDUCTIONS = ("mean", "sum", "none")
+
 
 @dataclasses.dataclass(frozen=True)
 class Point:
     """One measured configuration: ``N`` rows, ``D`` features, ``V`` classes, the share
-    of targets set to the ignore index and the head measured."""
+    of targets set to the ignore index, the head measured and the loss's reduction (a
+    masked cross-entropy point's; ``"mean"`` everywhere else)."""
 
     N: int
     D: int
@@ -57,6 +63,7 @@ class Point:
     device: str
     ignored: float = 0.0
     head: str = "ce"
+    reduction: str = "mean"
 
     @property
     def swept(self) -> bool:
@@ -77,6 +84,8 @@ class Point:
         extra = "" if self.head == "ce" else f" {self.head}"
         if self.ignored:
             extra += f" {self.ignored:.0%} ignored"
+        if self.reduction != "mean":
+            extra += f" reduction={self.reduction}"
         return f"N={self.N} D={self.D} V={self.V} {self.dtype}{extra}"
 
 
@@ -150,6 +159,17 @@ def parse_heads(text: str) -> list[str]:
     return heads
 
 
+def parse_reductions(text: str) -> list[str]:
+    """``"mean,none"`` -> names checked against :data:`REDUCTIONS`."""
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in names if r not in REDUCTIONS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown reduction(s) {unknown or [text]}; choose from {', '.join(REDUCTIONS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
 def points(
     shapes: list[tuple[int, int, int]],
     dtypes: list[str],
@@ -158,14 +178,18 @@ def points(
     sweep_dtypes: list[str],
     ignored: tuple[float, ...] = (),
     heads: tuple[str, ...] = ("ce",),
+    extra_dtypes: list[str] | None = None,
+    reductions: tuple[str, ...] = ("mean",),
 ) -> list[Point]:
     """The main shapes in every dtype, then the sweep around the first shape.
 
     The sweep varies one dimension of the first shape (the shape itself is
     one of its points) in ``sweep_dtypes``; duplicates are measured once.
-    Each share in ``ignored`` adds the first shape in the first dtype with that share of
-    targets ignored; each head other than ``"ce"`` adds the first shape in the first dtype
-    (``--dtype bf16`` measures them in bf16).
+    Each share in ``ignored`` adds the first shape in each of ``extra_dtypes`` (default:
+    the first dtype) with that share of targets ignored, once per reduction in
+    ``reductions``; each head other than ``"ce"`` adds the first shape in each of
+    ``extra_dtypes``. The unmasked step of each extra dtype is measured too, so
+    a masked point's time can be read against it.
     """
     result: list[Point] = []
     for dtype in dtypes:
@@ -179,10 +203,26 @@ def points(
                 sizes = {"N": n, "D": d, "V": v, dim: value}
                 result.append(Point(sizes["N"], sizes["D"], sizes["V"], dtype, device))
     n, d, v = shapes[0]
-    result.extend(Point(n, d, v, dtypes[0], device, ignored=share) for share in ignored)
-    result.extend(Point(n, d, v, dtypes[0], device, head=head) for head in heads if head != "ce")
+    extra = dtypes[:1] if extra_dtypes is None else extra_dtypes
+    for dtype in extra:
+        if ignored:
+            result.append(Point(n, d, v, dtype, device))
+        result.extend(
+            Point(n, d, v, dtype, device, ignored=share, reduction=reduction)
+            for share in ignored
+            for reduction in reductions
+        )
+        result.extend(Point(n, d, v, dtype, device, head=head) for head in heads if head != "ce")
     unique = list(dict.fromkeys(result))
+    order = list(dict.fromkeys([*dtypes, *extra]))
     return sorted(
         unique,
-        key=lambda p: (p.dtype != dtypes[0], not p.swept, p.head, p.ignored, p.N * p.D * p.V),
+        key=lambda p: (
+            order.index(p.dtype),
+            not p.swept,
+            p.head,
+            p.ignored,
+            REDUCTIONS.index(p.reduction),
+            p.N * p.D * p.V,
+        ),
     )

@@ -31,6 +31,7 @@ __all__ = [
     "read_json",
     "summarize",
     "table",
+    "with_unmasked",
     "write_json",
     "write_plot",
 ]
@@ -53,6 +54,12 @@ class Row:
     own_ratio: float | None = None
     #: What the variant's plan chose (:func:`linear_ce.bench.variants.describe_plan`).
     plan: dict | None = None
+    #: Each timed call's seconds, in the order measured (repeat by repeat).
+    repeat_seconds: list[float] | None = None
+    #: At a masked point: this row's ratio over its ratio at the unmasked point of the same
+    #: shape and dtype (:func:`with_unmasked`), each a paired median, so the machine's
+    #: speed between the two points cancels.
+    unmasked_ratio: float | None = None
 
 
 def _paired_ratio(times: list[float], ref: list[float]) -> float | None:
@@ -88,9 +95,41 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
                 note=note,
                 own_ratio=_paired_ratio(m.seconds, own.seconds) if own is not None else None,
                 plan=m.plan,
+                repeat_seconds=list(m.seconds),
             )
         )
     return rows
+
+
+def with_unmasked(summaries: list[tuple[Point, list[Row]]]) -> list[tuple[Point, list[Row]]]:
+    """``summaries`` with :attr:`Row.unmasked_ratio` filled for the variants (not the
+    floors) at each masked point whose unmasked point (same shape and dtype, the
+    cross-entropy head) was measured: the ratio to
+    the floor in the input's own dtype where there is one, else to the reference floor."""
+
+    def steady(row: Row) -> float | None:
+        return row.own_ratio if row.own_ratio is not None else row.ratio
+
+    unmasked = {
+        (p.N, p.D, p.V, p.dtype): {row.variant: row for row in rows}
+        for p, rows in summaries
+        if p.head == "ce" and not p.ignored and p.reduction == "mean"
+    }
+    result = []
+    for point, rows in summaries:
+        base = unmasked.get((point.N, point.D, point.V, point.dtype)) if point.ignored else None
+        if base is not None:
+            rows = [
+                dataclasses.replace(row, unmasked_ratio=steady(row) / steady(base[row.variant]))
+                if not row.variant.startswith("floor")
+                and row.variant in base
+                and steady(row)
+                and steady(base[row.variant])
+                else row
+                for row in rows
+            ]
+        result.append((point, rows))
+    return result
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -128,7 +167,12 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
                 _fmt(row.own_ratio, ".2f"),
                 _fmt(None if row.peak_bytes is None else row.peak_bytes / _MIB, ".0f"),
                 _fmt(row.peak_ratio, ".2f"),
-                row.note,
+                (
+                    f"{row.unmasked_ratio:.2f}× the unmasked step"
+                    + (f"; {row.note}" if row.note else "")
+                    if row.unmasked_ratio is not None
+                    else row.note
+                ),
             )
     return out
 

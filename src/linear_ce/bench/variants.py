@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from linear_ce.bench.config import HEADS, Point
+from linear_ce.bench.config import HEADS, REDUCTIONS, Point
 from linear_ce.engine.capability import HALF_DTYPES, native_half_gemm
 
 __all__ = [
@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], None]]
+#: ``build(x, w, t)`` -> the measured call; a variant whose :attr:`Variant.reductions` go
+#: beyond ``"mean"`` also takes ``reduction=`` (one of :data:`~linear_ce.bench.config.REDUCTIONS`).
+Build = Callable[..., Callable[[], None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Variant:
     heads: tuple[str, ...] = ("ce",)
     #: What the variant's plan chose at a point (:func:`describe_plan`), for the report.
     describe: Callable[[Point], dict] | None = None
+    #: The loss reductions it is measured at; beyond ``"mean"`` its build takes ``reduction=``.
+    reductions: tuple[str, ...] = ("mean",)
 
 
 def _native(point: Point) -> bool:
@@ -84,7 +88,8 @@ def _logits_buffer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _floor(dtype: torch.dtype | None) -> Build:
-    def build(x, w, t):
+    def build(x, w, t, reduction="mean"):
+        # The three GEMMs are the same whatever the loss's reduction.
         xd = x.detach().to(dtype or x.dtype)
         wd = w.detach().to(dtype or w.dtype)
         logits = _logits_buffer(xd, wd)
@@ -417,8 +422,22 @@ def _train(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.T
     return build
 
 
-def _plain(x, w, t):
-    return F.cross_entropy(F.linear(x, w), t)
+def _train_reduced(loss_fn: Callable[..., torch.Tensor]) -> Build:
+    """:func:`_train` of a loss that takes ``reduction=``; ``"none"`` backpropagates the
+    sum of the per-row losses."""
+
+    def build(x, w, t, reduction="mean"):
+        def loss(x, w, t):
+            out = loss_fn(x, w, t, reduction=reduction)
+            return out.sum() if reduction == "none" else out
+
+        return _train(loss)(x, w, t)
+
+    return build
+
+
+def _plain(x, w, t, reduction="mean"):
+    return F.cross_entropy(F.linear(x, w), t, reduction=reduction)
 
 
 def _compiled_plain(x, w, t):
@@ -435,7 +454,7 @@ def _torch_builtin(batch_chunk_size: int | None) -> Build:
 
 
 def _linear_ce(acc_policy: str | None) -> Callable:
-    def loss(x, w, t):
+    def loss(x, w, t, reduction="mean"):
         import linear_ce
 
         options = (
@@ -443,7 +462,7 @@ def _linear_ce(acc_policy: str | None) -> Callable:
             if acc_policy is None
             else linear_ce.LinearCrossEntropyOptions(acc_policy=acc_policy)
         )
-        return linear_ce.linear_cross_entropy(x, w, t, options=options)
+        return linear_ce.linear_cross_entropy(x, w, t, reduction=reduction, options=options)
 
     return loss
 
@@ -703,6 +722,7 @@ VARIANTS: dict[str, Variant] = {
             _same_dtype_floor,
             "the three GEMMs alone, in the input dtype",
             _NOT_DPO,
+            reductions=REDUCTIONS,
         ),
         Variant(
             "floor-fp32",
@@ -711,6 +731,7 @@ VARIANTS: dict[str, Variant] = {
             _half_only,
             "the three GEMMs alone, in fp32",
             _NOT_DPO,
+            reductions=REDUCTIONS,
         ),
         Variant(
             "floor-scored",
@@ -744,7 +765,14 @@ VARIANTS: dict[str, Variant] = {
             "the four GEMMs of distillation alone, in fp32",
             ("divergence",),
         ),
-        Variant("plain", "train", _train(_plain), _always, "cross_entropy(linear(x, W), t), eager"),
+        Variant(
+            "plain",
+            "train",
+            _train_reduced(_plain),
+            _always,
+            "cross_entropy(linear(x, W), t), eager",
+            reductions=REDUCTIONS,
+        ),
         Variant(
             "plain-compile",
             "train",
@@ -769,10 +797,11 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "linear_ce",
             "train",
-            _train(_linear_ce(None)),
+            _train_reduced(_linear_ce(None)),
             _always,
             "linear_ce, default options",
             describe=describe_plan,
+            reductions=REDUCTIONS,
         ),
         *[
             Variant(
@@ -999,9 +1028,15 @@ SWEEP_ONLY = frozenset(
 
 
 def measured_at(name: str, point: Point) -> bool:
-    """Whether variant ``name`` is measured at ``point``: the point's head is one of the
-    variant's, and the variant is not :data:`SWEEP_ONLY` unless the point is swept."""
-    return point.head in VARIANTS[name].heads and (point.swept or name not in SWEEP_ONLY)
+    """Whether variant ``name`` is measured at ``point``: the point's head and reduction
+    are among the variant's, and the variant is not :data:`SWEEP_ONLY` unless the point is
+    swept."""
+    variant = VARIANTS[name]
+    return (
+        point.head in variant.heads
+        and point.reduction in variant.reductions
+        and (point.swept or name not in SWEEP_ONLY)
+    )
 
 
 def reference_variant(point: Point, kind: str) -> str:

@@ -41,7 +41,9 @@ def serve(name: str, commands, answers) -> None:
                 if reason is not None:
                     answer = {"unavailable": reason}
                 else:
-                    call = variant.build(*make_inputs(point))
+                    # The reduction reaches the builds that take one (Variant.reductions).
+                    reduction = {} if point.reduction == "mean" else {"reduction": point.reduction}
+                    call = variant.build(*make_inputs(point), **reduction)
                     answer = {"ok": True}
             elif op == "run":
                 if call is None:
