@@ -297,6 +297,49 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "machine_plan",
+        "the bench's token_logprobs target reads the three-GEMM ratio as the four's",
+        "src/linear_ce/bench/targets.py",
+        (("                    value * _FOUR_OVER_THREE,\n", "                    value,\n"),),
+        ("tests/test_bench.py", "-k", "targets"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's targets read a half step against the fp32 floor",
+        "src/linear_ce/bench/targets.py",
+        (
+            (
+                "    return row.own_ratio if row.own_ratio is not None else row.ratio\n",
+                "    return row.ratio\n",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "targets"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench reads the floors of a masked point against the unmasked step too",
+        "src/linear_ce/bench/report.py",
+        (
+            (
+                '                if not row.variant.startswith("floor")\n                and ',
+                "                ",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "unmasked"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's linear_ce rows take the mean whatever the point's reduction",
+        "src/linear_ce/bench/variants.py",
+        (
+            (
+                "linear_ce.linear_cross_entropy(x, w, t, reduction=reduction, options=options)",
+                "linear_ce.linear_cross_entropy(x, w, t, options=options)",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "reduction_reaches"),
+    ),
+    Mutation(
+        "machine_plan",
         "the bench's two-head floor writes the teacher's logits into a fresh tensor",
         "src/linear_ce/bench/variants.py",
         (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linear_ce.bench import config
-from linear_ce.bench.variants import DEFAULT, VARIANTS
+from linear_ce.bench.variants import DEFAULT, VARIANTS, make_inputs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -34,6 +34,8 @@ def test_report_end_to_end(tmp_path):
             "1",
             "--ignored",
             "0.5",
+            "--reductions",
+            "mean,none",
             "--heads",
             "ce,logprobs,objective,divergence,sparse",
             "--plot",
@@ -59,19 +61,31 @@ def test_report_end_to_end(tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
     data = json.loads(out.read_text())
-    labels = {(p["V"], p["dtype"], p["head"], p["ignored"]) for p in data["points"]}
+    labels = {(p["V"], p["dtype"], p["head"], p["ignored"], p["reduction"]) for p in data["points"]}
     assert labels == {
-        (32, "bf16", "ce", 0.0),
-        (64, "bf16", "ce", 0.0),
-        (64, "bf16", "ce", 0.5),
-        (64, "bf16", "logprobs", 0.0),
-        (64, "bf16", "objective", 0.0),
-        (64, "bf16", "divergence", 0.0),
-        (64, "bf16", "sparse", 0.0),
+        (32, "bf16", "ce", 0.0, "mean"),
+        (64, "bf16", "ce", 0.0, "mean"),
+        (64, "bf16", "ce", 0.0, "none"),
+        (64, "bf16", "ce", 0.5, "mean"),
+        (64, "bf16", "ce", 0.5, "none"),
+        (64, "bf16", "logprobs", 0.0, "mean"),
+        (64, "bf16", "objective", 0.0, "mean"),
+        (64, "bf16", "divergence", 0.0, "mean"),
+        (64, "bf16", "sparse", 0.0, "mean"),
     }
+    # The masked rows are read against the unmasked step, and the run checks its targets.
+    assert "× the unmasked step" in proc.stdout and "targets met" in proc.stdout
+    checked = {(t["name"], t["dtype"]) for t in data["targets"]}
+    assert ("step, 50% ignored, reduction=none (× the unmasked step)", "bf16") in checked
+    assert ("token_objective (× its floor)", "bf16") in checked
+    assert data["shape"] == [32, 16, 64]
+    assert all(
+        len(r["repeat_seconds"]) == 1 for p in data["points"] for r in p["rows"] if r["seconds"]
+    )
     for point in data["points"]:
         # Each point measures the variants of its head (the floors serve every head); the
-        # extra points keep the floors, plain and linear_ce only.
+        # extra points (masked, or another reduction) keep the floors, plain and linear_ce.
+        extra = point["ignored"] > 0 or point["reduction"] != "mean"
         floors = ["floor", "floor-fp32"]
         expected = {
             ("ce", False): [n for n in DEFAULT if "ce" in VARIANTS[n].heads],
@@ -98,9 +112,9 @@ def test_report_end_to_end(tmp_path):
                 "divergence-trl",
             ],
             ("sparse", False): [*floors, "sparse-plain", "sparse-linear_ce"],
-        }[(point["head"], point["ignored"] > 0)]
+        }[(point["head"], extra)]
         assert [row["variant"] for row in point["rows"]] == expected
-        if point["head"] != "ce" or point["ignored"]:
+        if point["head"] != "ce" or extra:
             rows = {row["variant"]: row for row in point["rows"]}
             for name in expected:
                 if name.startswith("logprobs-trl") and importlib.util.find_spec("trl") is None:
@@ -154,6 +168,140 @@ def test_masked_and_head_points():
     assert labels[1:3] == ["N=8 D=4 V=16 fp32 75% ignored", "N=8 D=4 V=16 fp32 logprobs"]
 
 
+def test_extra_points_in_several_dtypes_and_reductions():
+    points = config.points(
+        [(8, 4, 16)],
+        ["fp32"],
+        "cpu",
+        None,
+        ["fp32"],
+        (0.75,),
+        ("ce", "objective"),
+        ["fp32", "bf16"],
+        ("mean", "none"),
+    )
+    # Each extra dtype gets its unmasked step (the masked points' reference), a masked point
+    # per reduction and the heads; the first dtype's points come first.
+    # ("none" recomputes the logits in backward: its masked step is read against its own).
+    assert [(p.dtype, p.ignored, p.reduction, p.head) for p in points] == [
+        ("fp32", 0.0, "mean", "ce"),
+        ("fp32", 0.0, "none", "ce"),
+        ("fp32", 0.75, "mean", "ce"),
+        ("fp32", 0.75, "none", "ce"),
+        ("fp32", 0.0, "mean", "objective"),
+        ("bf16", 0.0, "mean", "ce"),
+        ("bf16", 0.0, "none", "ce"),
+        ("bf16", 0.75, "mean", "ce"),
+        ("bf16", 0.75, "none", "ce"),
+        ("bf16", 0.0, "mean", "objective"),
+    ]
+    assert [p.swept for p in points[:2]] == [True, False]
+    assert points[3].label == "N=8 D=4 V=16 fp32 75% ignored reduction=none"
+    assert config.parse_reductions("none, mean,none") == ["none", "mean"]
+    with pytest.raises(ValueError, match="choose from mean, sum, none"):
+        config.parse_reductions("avg")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_the_masked_points_reduction_reaches_the_loss(reduction):
+    """At a ``reduction=`` point the variants that take one are built with it: their
+    gradients are the plain expression's under that reduction (``"none"``: of the summed
+    losses), not the mean's; the floors take every reduction, the others only the mean."""
+    import torch.nn.functional as F
+
+    from linear_ce.bench.variants import measured_at
+
+    point = config.Point(16, 8, 32, "fp64", "cpu", ignored=0.5, reduction=reduction)
+    x, w, t = make_inputs(point)
+    loss = F.cross_entropy(F.linear(x, w), t, reduction="sum")
+    grad_x, grad_w = torch.autograd.grad(loss, (x, w))
+    for name in ("plain", "linear_ce"):
+        x.grad = w.grad = None
+        VARIANTS[name].build(x, w, t, reduction=reduction)()
+        torch.testing.assert_close(x.grad, grad_x)
+        torch.testing.assert_close(w.grad, grad_w)
+    here = [name for name in DEFAULT if measured_at(name, point)]
+    assert here == ["floor", "floor-fp32", "plain", "linear_ce"]
+
+
+def _row(variant, ratio, own=None, seconds=1.0, peak_ratio=1.0, **extra):
+    from linear_ce.bench.report import Row
+
+    return Row(variant, "train", "floor", seconds, ratio, 1, peak_ratio, "", own, **extra)
+
+
+def test_masked_rows_read_against_the_unmasked_step():
+    """A masked row's ratio over the same variant's at the unmasked point of its shape,
+    dtype and reduction: own-dtype ratios for half rows; floors and unmatched points get
+    none."""
+    from linear_ce.bench.report import with_unmasked
+
+    full = config.Point(8, 4, 16, "bf16", "cpu", reduction="none")
+    full_mean = config.Point(8, 4, 16, "bf16", "cpu")
+    masked = config.Point(8, 4, 16, "bf16", "cpu", ignored=0.75, reduction="none")
+    other = config.Point(8, 4, 32, "bf16", "cpu", ignored=0.75)
+    out = with_unmasked(
+        [
+            (full_mean, [_row("linear_ce", 0.25, 0.8)]),
+            (full, [_row("floor", 0.3, 1.0), _row("linear_ce", 0.33, 1.1)]),
+            (masked, [_row("floor", 0.3, 1.0), _row("linear_ce", 0.1, 0.33)]),
+            (other, [_row("linear_ce", 0.1, 0.3)]),
+        ]
+    )
+    by = {(p, r.variant): r.unmasked_ratio for p, rows in out for r in rows}
+    assert by[(masked, "linear_ce")] == pytest.approx(0.3)  # its reduction's, not the mean's
+    assert by[(masked, "floor")] is None and by[(full, "linear_ce")] is None
+    assert by[(other, "linear_ce")] is None
+
+
+def test_targets_read_the_runs_paired_ratios():
+    from linear_ce.bench import targets
+
+    shape = (8, 4, 16)
+
+    def point(dtype, **kw):
+        return config.Point(*shape, dtype, "cpu", **kw)
+
+    summaries = [
+        (
+            point("fp32"),
+            [
+                _row("floor", 1.0),
+                _row("plain", 1.6),
+                _row("plain-compile", 1.02),
+                _row("linear_ce", 1.04, peak_ratio=1.24),
+                _row("torch-512", 1.2),
+                _row("linear_ce-fwd", 1.06),
+            ],
+        ),
+        (point("fp32", reduction="none"), [_row("linear_ce", 1.4)]),
+        (point("fp32", ignored=0.75), [_row("linear_ce", 0.3, unmasked_ratio=0.29)]),
+        (point("fp32", head="logprobs"), [_row("logprobs-linear_ce", 1.39)]),
+        (point("fp32", head="divergence"), [_row("divergence-linear_ce", 1.11)]),
+        (point("bf16"), [_row("linear_ce", 0.3, own=1.01), _row("plain-compile", 0.3, own=1.2)]),
+        (point("bf16", head="objective"), [_row("objective-linear_ce", 0.3, own=1.09)]),
+        (config.Point(8, 4, 32, "fp32", "cpu"), [_row("linear_ce", 2.0)]),
+    ]
+    found = {
+        (t.name, t.dtype): (t.measured, t.bound, t.met) for t in targets.check(summaries, shape)
+    }
+    approx = pytest.approx
+    assert found == {
+        ("step (× its floor)", "fp32"): (1.04, 1.05, True),
+        ("step faster than plain", "fp32"): (1.04, 1.6, True),
+        ("step faster than plain-compile", "fp32"): (1.04, 1.02, False),
+        ("step faster than torch-512", "fp32"): (1.04, 1.2, True),
+        ("step's transient memory (× grads)", "fp32"): (1.24, 1.5, True),
+        ("forward only (× its floor)", "fp32"): (1.06, 1.05, False),
+        ("step, 75% ignored, reduction=mean (× the unmasked step)", "fp32"): (0.29, 0.3, True),
+        ("token_logprobs with entropy (× its four GEMMs)", "fp32"): (approx(1.0425), 1.05, True),
+        ("linear_divergence (× floor-2heads)", "fp32"): (1.11, 1.1, False),
+        ("step (× its floor)", "bf16"): (1.01, 1.05, True),
+        ("step faster than plain-compile", "bf16"): (1.01, 1.2, True),
+        ("token_objective (× its floor)", "bf16"): (1.09, 1.1, True),
+    }
+
+
 def test_bad_cli_values():
     from linear_ce.bench.__main__ import parse_args
 
@@ -164,6 +312,8 @@ def test_bad_cli_values():
         ["--repeats", "0"],
         ["--ignored", "1.5"],
         ["--heads", "ce,nope"],
+        ["--reductions", "avg"],
+        ["--extra-dtype", "int8"],
     ):
         with pytest.raises(SystemExit):
             parse_args(argv)

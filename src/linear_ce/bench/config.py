@@ -67,8 +67,9 @@ class Point:
 
     @property
     def swept(self) -> bool:
-        """Whether the point belongs to the plotted sweep (plain cross-entropy, no masking)."""
-        return self.head == "ce" and self.ignored == 0.0
+        """Whether the point belongs to the plotted sweep (plain cross-entropy, no masking,
+        the mean)."""
+        return self.head == "ce" and self.ignored == 0.0 and self.reduction == "mean"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -188,8 +189,9 @@ def points(
     Each share in ``ignored`` adds the first shape in each of ``extra_dtypes`` (default:
     the first dtype) with that share of targets ignored, once per reduction in
     ``reductions``; each head other than ``"ce"`` adds the first shape in each of
-    ``extra_dtypes``. The unmasked step of each extra dtype is measured too, so
-    a masked point's time can be read against it.
+    ``extra_dtypes``. The unmasked step of each extra dtype and reduction is measured
+    too, so a masked point's time can be read against it (``"none"`` differs from the
+    others: its backward recomputes the logits).
     """
     result: list[Point] = []
     for dtype in dtypes:
@@ -205,11 +207,9 @@ def points(
     n, d, v = shapes[0]
     extra = dtypes[:1] if extra_dtypes is None else extra_dtypes
     for dtype in extra:
-        if ignored:
-            result.append(Point(n, d, v, dtype, device))
         result.extend(
             Point(n, d, v, dtype, device, ignored=share, reduction=reduction)
-            for share in ignored
+            for share in ((0.0, *ignored) if ignored else ())
             for reduction in reductions
         )
         result.extend(Point(n, d, v, dtype, device, head=head) for head in heads if head != "ce")

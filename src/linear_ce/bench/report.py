@@ -103,7 +103,7 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
 
 def with_unmasked(summaries: list[tuple[Point, list[Row]]]) -> list[tuple[Point, list[Row]]]:
     """``summaries`` with :attr:`Row.unmasked_ratio` filled for the variants (not the
-    floors) at each masked point whose unmasked point (same shape and dtype, the
+    floors) at each masked point whose unmasked point (same shape, dtype and reduction, the
     cross-entropy head) was measured: the ratio to
     the floor in the input's own dtype where there is one, else to the reference floor."""
 
@@ -111,13 +111,14 @@ def with_unmasked(summaries: list[tuple[Point, list[Row]]]) -> list[tuple[Point,
         return row.own_ratio if row.own_ratio is not None else row.ratio
 
     unmasked = {
-        (p.N, p.D, p.V, p.dtype): {row.variant: row for row in rows}
+        (p.N, p.D, p.V, p.dtype, p.reduction): {row.variant: row for row in rows}
         for p, rows in summaries
-        if p.head == "ce" and not p.ignored and p.reduction == "mean"
+        if p.head == "ce" and not p.ignored
     }
     result = []
     for point, rows in summaries:
-        base = unmasked.get((point.N, point.D, point.V, point.dtype)) if point.ignored else None
+        key = (point.N, point.D, point.V, point.dtype, point.reduction)
+        base = unmasked.get(key) if point.ignored else None
         if base is not None:
             rows = [
                 dataclasses.replace(row, unmasked_ratio=steady(row) / steady(base[row.variant]))
