@@ -304,6 +304,19 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "machine_plan",
+        "the bench's faster-than-a-peer targets compare the two ratios to the floor",
+        "src/linear_ce/bench/targets.py",
+        (
+            (
+                "            found.append(Target(name, dtype, value, 1.0, value < 1.0))\n",
+                "            value = _steady(row) / _steady(peer)\n"
+                "            found.append(Target(name, dtype, value, 1.0, value < 1.0))\n",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "targets"),
+    ),
+    Mutation(
+        "machine_plan",
         "the bench's targets read a half step against the fp32 floor",
         "src/linear_ce/bench/targets.py",
         (

@@ -62,7 +62,9 @@ class Row:
     unmasked_ratio: float | None = None
 
 
-def _paired_ratio(times: list[float], ref: list[float]) -> float | None:
+def paired_ratio(times: list[float], ref: list[float]) -> float | None:
+    """The median over rounds of ``times[i] / ref[i]`` (each round's machine state
+    cancels); the ratio of the medians where the two were not measured round by round."""
     if not times or not ref:
         return None
     if len(times) == len(ref):
@@ -89,11 +91,11 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
                 kind=kind,
                 reference=reference,
                 seconds=statistics.median(m.seconds),
-                ratio=_paired_ratio(m.seconds, ref.seconds) if ref is not None else None,
+                ratio=paired_ratio(m.seconds, ref.seconds) if ref is not None else None,
                 peak_bytes=peak,
                 peak_ratio=peak / point.grad_bytes,
                 note=note,
-                own_ratio=_paired_ratio(m.seconds, own.seconds) if own is not None else None,
+                own_ratio=paired_ratio(m.seconds, own.seconds) if own is not None else None,
                 plan=m.plan,
                 repeat_seconds=list(m.seconds),
             )
