@@ -268,8 +268,9 @@ def test_targets_read_the_runs_paired_ratios():
             [
                 _row("floor", 1.0),
                 _row("plain", 1.6, repeat_seconds=[3.0, 3.3, 3.1]),
-                # Its ratio to the floor is below the step's, yet round by round it ran
-                # slower (quotients 0.95, 1.05, 0.91): the peer is read in pairs.
+                # plain-compile's ratio to the floor (1.02) is below the step's (1.04), yet
+                # round by round the step ran faster (step / peer 0.95, 1.05, 0.91: median
+                # 0.95): the peer is read in pairs, not through the floor.
                 _row("plain-compile", 1.02, repeat_seconds=[2.1, 2.1, 2.3]),
                 _row("linear_ce", 1.04, peak_ratio=1.24, repeat_seconds=[2.0, 2.2, 2.1]),
                 _row("torch-512", 1.2, repeat_seconds=[1.9, 2.5, 2.0]),
