@@ -271,6 +271,27 @@ def test_nan_logit(dtype):
     assert tile[1].isnan().all() and not tile[keep].isnan().any()
 
 
+@pytest.mark.parametrize("classes", [2, 3], ids=["pairs", "pairs and a tail"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_every_half_value_read_exactly(dtype, classes):
+    """Each of the 65536 bit patterns of a half logit, a row of ``classes`` copies: the loops
+    widen it exactly (their max is torch's fp32 of it: subnormals, -0, ±inf, the largest
+    values), the sums of a finite row are ``classes`` copies of e⁰ = 1, an infinite row's
+    are NaN (eᵛ⁻ᵐ at v = m = ±inf, as torch's), and a NaN row's max is NaN."""
+    loops = _loops(dtype)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    tile = bits.view(dtype)[:, None].expand(-1, classes).contiguous()
+    target = torch.ones(tile.shape[0], dtype=torch.int64)
+    got = loops.stats(tile, target=target, dot=True)
+    widened = tile[:, 0].float()
+    finite, nan = widened.isfinite(), widened.isnan()
+    assert torch.equal(got.row_max[~nan], widened[~nan]) and got.row_max[nan].isnan().all()
+    assert torch.equal(got.sum_exp[finite], torch.full_like(widened[finite], classes))
+    assert torch.equal(got.dot[finite], torch.zeros_like(widened[finite]))
+    assert torch.equal(got.target_u[finite], torch.zeros_like(widened[finite]))
+    assert got.sum_exp[~finite].isnan().all() and got.dot[~finite].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_very_negative_logits(dtype):
     """u down to -100 (fp16 cannot hold such logits next to a max near 0 with its range,

@@ -77,60 +77,185 @@ static inline float exp_nonpositive(float u) {
     return u != u ? u : out;
 }
 
-#define ROW_MATH(NAME, T, LOAD, STORE)                                                    \
+/* e^x for a clamped u, EXP_SUM_CLAMP <= x <= 0 (or NaN), without exp_nonpositive's selects:
+ * the terms of the sums of a row whose max is finite. A term below e^-86 counts as e^-86,
+ * which cannot move a sum that holds the max's term of 1, and keeps 2^n p normal; a NaN x
+ * makes the sum NaN. 2^n comes from the rounding constant's bits, r from one fused step (its
+ * error, |n| 2e-9, is under 3e-7 even at n = -124, where the term is ~1e-37), p from a
+ * near-minimax polynomial of degree 6 (2e-9 relative on |r| <= ln 2 / 2). Half the
+ * instructions of exp_nonpositive in the loops below. */
+static inline float exp_sum(float x) {
+    float t = x * 1.44269504088896341f + 12582912.0f;
+    float r = fmaf(t - 12582912.0f, -0.693147180559945f, x);
+    float p = 0.0013836845755577087f;
+    p = p * r + 0.008374815806746483f;
+    p = p * r + 0.04166822507977486f;
+    p = p * r + 0.16666419804096222f;
+    p = p * r + 0.49999991059303284f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &t, 4);
+    bits = (bits + 127u) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+#define EXP_SUM_CLAMP -86.0f
+
+/* The fast path's two reads of a row with v_j = LOAD(x_j) * scale: its max (a NaN never wins
+ * the comparison: it shows in the sums instead) and S = sum e^x, D = sum e^x x (where d is
+ * not NULL) over x_j = max(v_j - m, EXP_SUM_CLAMP), in LANES partial sums. */
+#define FAST_SUMS(NAME, T, LOAD)                                                \
+    static inline float fast_max_##NAME(const void* data, int64_t V, float scale) {      \
+        const T* row = data;                                                             \
+        float m = -INFINITY;                                                             \
+        _Pragma("omp simd reduction(max : m) simdlen(LANES)")                            \
+        for (int64_t j = 0; j < V; ++j) {                                                \
+            float v = LOAD(row[j]) * scale;                                              \
+            m = v > m ? v : m;                                                           \
+        }                                                                                \
+        return m;                                                                        \
+    }                                                                                    \
+    static inline void fast_sums_##NAME(const void* data, int64_t V, float scale, float m, \
+                                        float* sum_exp, float* dot) {                    \
+        const T* row = data;                                                             \
+        float s = 0.0f, d = 0.0f;                                                        \
+        if (dot) {                                                                       \
+            _Pragma("omp simd reduction(+ : s, d) simdlen(LANES)")                       \
+            for (int64_t j = 0; j < V; ++j) {                                            \
+                float u = LOAD(row[j]) * scale - m;                                      \
+                float x = u < EXP_SUM_CLAMP ? EXP_SUM_CLAMP : u;                         \
+                float e = exp_sum(x);                                                    \
+                s += e;                                                                  \
+                d += e * x;                                                              \
+            }                                                                            \
+            *dot = d;                                                                    \
+        } else {                                                                         \
+            _Pragma("omp simd reduction(+ : s) simdlen(LANES)")                          \
+            for (int64_t j = 0; j < V; ++j) {                                            \
+                float u = LOAD(row[j]) * scale - m;                                      \
+                s += exp_sum(u < EXP_SUM_CLAMP ? EXP_SUM_CLAMP : u);                     \
+            }                                                                            \
+        }                                                                                \
+        *sum_exp = s;                                                                    \
+    }
+
+/* fp16 by its bits: integer operations and one multiply, which vectorise on any CPU, where
+ * GCC 12 leaves (float)h scalar without AVX512-FP16. The magnitude's bits, shifted into an
+ * fp32's place (the row read as uint16_t), read as a number 2^112 too small (subnormals too: the multiply normalises
+ * them); inf and NaN take the all-ones exponent. */
+static inline float widen_f16(uint16_t b) {
+    uint32_t magnitude = (uint32_t)(b & 0x7fffu) << 13;
+    float f;
+    memcpy(&f, &magnitude, 4);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits = (b & 0x7fffu) >= 0x7c00u ? magnitude | 0x7f800000u : bits;
+    bits |= (uint32_t)(b & 0x8000u) << 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+FAST_SUMS(f16, uint16_t, widen_f16)
+FAST_SUMS(f32, float, from_f32)
+
+/* bf16 reads its row a pair of logits per 32-bit word, each half shifted into place: two
+ * plain operations for 32 logits where widening takes a shuffle for each 16 (the max and the
+ * sums do not depend on the order; 0.51 against 0.76 ms for the sums of 1024 rows of 4096
+ * classes on a Zen 5 core). */
+static inline float low_bf16(uint32_t w) { return from_bf16((uint16_t)w); }
+static inline float high_bf16(uint32_t w) {
+    uint32_t b = w & 0xffff0000u;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint32_t bf16_pair(const uint16_t* row, int64_t j) {
+    uint32_t w;
+    memcpy(&w, row + 2 * j, 4);
+    return w;
+}
+
+static inline float fast_max_bf16(const uint16_t* row, int64_t V, float scale) {
+    float m = V % 2 ? from_bf16(row[V - 1]) * scale : -INFINITY;
+    _Pragma("omp simd reduction(max : m) simdlen(LANES)")
+    for (int64_t j = 0; j < V / 2; ++j) {
+        uint32_t w = bf16_pair(row, j);
+        float a = low_bf16(w) * scale, b = high_bf16(w) * scale;
+        float c = a > b ? a : b;
+        m = c > m ? c : m;
+    }
+    return m;
+}
+
+static inline float clamp_sum(float u) { return u < EXP_SUM_CLAMP ? EXP_SUM_CLAMP : u; }
+
+static inline void fast_sums_bf16(const uint16_t* row, int64_t V, float scale, float m,
+                                  float* sum_exp, float* dot) {
+    float x = V % 2 ? clamp_sum(from_bf16(row[V - 1]) * scale - m) : EXP_SUM_CLAMP;
+    float e = V % 2 ? exp_sum(x) : 0.0f;
+    float s = e, d = e * x;
+    if (dot) {
+        _Pragma("omp simd reduction(+ : s, d) simdlen(LANES)")
+        for (int64_t j = 0; j < V / 2; ++j) {
+            uint32_t w = bf16_pair(row, j);
+            float a = clamp_sum(low_bf16(w) * scale - m), b = clamp_sum(high_bf16(w) * scale - m);
+            float ea = exp_sum(a), eb = exp_sum(b);
+            s += ea + eb;
+            d += ea * a + eb * b;
+        }
+        *dot = d;
+    } else {
+        _Pragma("omp simd reduction(+ : s) simdlen(LANES)")
+        for (int64_t j = 0; j < V / 2; ++j) {
+            uint32_t w = bf16_pair(row, j);
+            s += exp_sum(clamp_sum(low_bf16(w) * scale - m))
+                 + exp_sum(clamp_sum(high_bf16(w) * scale - m));
+        }
+    }
+    *sum_exp = s;
+}
+
+#define ROW_MATH(NAME, T, LOAD, STORE)                                           \
     static inline float value_##NAME(T x, float scale) { return LOAD(x) * scale; }      \
                                                                                          \
+    /* A row whose max is not finite or that holds a NaN: its max as torch.amax's (NaN   \
+     * where a logit is NaN), and sums of NaN, as the sums of e^(v - m) are where some   \
+     * v - m is (v = m = +-inf, or a NaN v); an empty row's are 0. */                    \
+    static void nonfinite_row_##NAME(const T* row, int64_t V, float scale, float* row_max,\
+                                     float* sum_exp, float* dot) {                       \
+        float m = -INFINITY;                                                             \
+        int nan = 0;                                                                     \
+        for (int64_t j = 0; j < V; ++j) {                                                \
+            float v = value_##NAME(row[j], scale);                                       \
+            m = v > m ? v : m;                                                           \
+            nan |= v != v;                                                               \
+        }                                                                                \
+        *row_max = nan ? NAN : m;                                                        \
+        *sum_exp = V ? NAN : 0.0f;                                                       \
+        if (dot) *dot = *sum_exp;                                                        \
+    }                                                                                    \
+                                                                                         \
     void lce_stats_##NAME(const T* tile, int64_t ld, int64_t r0, int64_t r1, int64_t V, \
-                          float scale, const int64_t* target, float* row_max,   \
+                          float scale, const int64_t* target, float* row_max,            \
                           float* sum_exp, float* dot, float* target_u) {                 \
         for (int64_t i = r0; i < r1; ++i) {                                              \
             const T* row = tile + i * ld;                                                \
-            float m = -INFINITY;                                                         \
-            int nan = 0;                                                                 \
-            _Pragma("omp simd reduction(max : m) reduction(| : nan)")                    \
-            for (int64_t j = 0; j < V; ++j) {                                            \
-                float v = value_##NAME(row[j], scale);                        \
-                m = v > m ? v : m;                                                       \
-                nan |= v != v;                                                           \
-            }                                                                            \
-            /* A NaN logit makes the row's max NaN, as torch.amax does. */               \
-            if (nan) m = NAN;                                                            \
-            float s[LANES] = {0}, d[LANES] = {0};                                        \
-            int64_t whole = V - V % LANES;                                               \
-            if (dot) {                                                                   \
-                for (int64_t j = 0; j < whole; j += LANES) {                             \
-                    _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                \
-                        float u = value_##NAME(row[j + k], scale) - m;        \
-                        float e = exp_nonpositive(u);                                    \
-                        s[k] += e;                                                       \
-                        d[k] += e * (u < -3.0e38f ? 0.0f : u);                                \
-                    }                                                                    \
-                }                                                                        \
+            float m = fast_max_##NAME(row, V, scale), s = NAN;                            \
+            if (isfinite(m)) fast_sums_##NAME(row, V, scale, m, &s, dot ? dot + i : NULL); \
+            if (s == s) {                                                                \
+                row_max[i] = m;                                                          \
+                sum_exp[i] = s;                                                          \
             } else {                                                                     \
-                for (int64_t j = 0; j < whole; j += LANES) {                             \
-                    _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                \
-                        s[k] += exp_nonpositive(value_##NAME(row[j + k], scale) - m); \
-                    }                                                                    \
-                }                                                                        \
+                nonfinite_row_##NAME(row, V, scale, row_max + i, sum_exp + i,            \
+                                   dot ? dot + i : NULL);                                \
             }                                                                            \
-            for (int64_t j = whole; j < V; ++j) {                                        \
-                float u = value_##NAME(row[j], scale) - m;                    \
-                float e = exp_nonpositive(u);                                            \
-                s[j - whole] += e;                                                       \
-                d[j - whole] += e * (u < -3.0e38f ? 0.0f : u);                                \
-            }                                                                            \
-            for (int width = LANES / 2; width > 0; width /= 2) {                         \
-                for (int k = 0; k < width; ++k) {                                        \
-                    s[k] += s[k + width];                                                \
-                    d[k] += d[k + width];                                                \
-                }                                                                        \
-            }                                                                            \
-            row_max[i] = m;                                                              \
-            sum_exp[i] = s[0];                                                           \
-            if (dot) dot[i] = d[0];                                                      \
             if (target_u) {                                                              \
                 int64_t t = target[i];                                                   \
-                target_u[i] = t >= 0 ? value_##NAME(row[t], scale) - m : 0.0f; \
+                target_u[i] = t >= 0 ? value_##NAME(row[t], scale) - row_max[i] : 0.0f;  \
             }                                                                            \
         }                                                                                \
     }                                                                                    \
