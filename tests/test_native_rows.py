@@ -271,6 +271,23 @@ def test_nan_logit(dtype):
     assert tile[1].isnan().all() and not tile[keep].isnan().any()
 
 
+def test_stats_into_a_given_tensor():
+    """``out`` receives the same sums as a call without it (its ``dot`` row untouched where
+    no dot sum is asked); an ``out`` of another shape, dtype or layout is refused."""
+    loops = _loops(torch.bfloat16)
+    _, tile = _tile(5, 300, torch.bfloat16, 2.0, 3, 0)
+    target = torch.tensor([0, -1, 7, 299, 3])
+    fresh = loops.stats(tile, target=target)
+    out = torch.full((4, 5), 7.0)
+    got = loops.stats(tile, target=target, out=out)
+    assert got.row_max.data_ptr() == out.data_ptr()
+    assert torch.equal(out[[0, 1, 3]], torch.stack([fresh.row_max, fresh.sum_exp, fresh.target_u]))
+    assert torch.equal(out[2], torch.full((5,), 7.0))
+    for bad in (torch.zeros(4, 6), torch.zeros(4, 5, dtype=torch.float64), torch.zeros(5, 4).T):
+        with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 5\) float32"):
+            loops.stats(tile, target=target, out=bad)
+
+
 @pytest.mark.parametrize("classes", [2, 3], ids=["pairs", "pairs and a tail"])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_every_half_value_read_exactly(dtype, classes):

@@ -192,15 +192,24 @@ class NativeRows:
         scale: float = 1.0,
         target: torch.Tensor | None = None,
         dot: bool = False,
+        out: torch.Tensor | None = None,
     ) -> RowSums:
         """The row statistics of ``tile`` ``(B, V)`` (``v = x·scale``);
         ``target`` ``(B,)`` int64 local columns, ``-1`` where none. An fp32 tile may be
-        class-major (:meth:`class_major`)."""
+        class-major (:meth:`class_major`). ``out``: a contiguous ``(4, B)`` fp32 tensor the
+        sums are written into (rows ``row_max, sum_exp, dot, target_u``; ``dot``'s only
+        where asked), else a new one."""
         rows = tile.shape[0]
         class_major = self.class_major(tile)
         if not class_major:
             self._check(tile)
-        out = torch.empty((4, rows), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((4, rows), dtype=torch.float32)
+        elif out.shape != (4, rows) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(
+                f"native_rows.stats: out must be a contiguous (4, {rows}) float32 tensor; got "
+                f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}"
+            )
         target = _targets(target, rows)
         sums = RowSums(out[0], out[1], out[2] if dot else None, None if target is None else out[3])
         args = (sums.row_max, sums.sum_exp, sums.dot, sums.target_u)

@@ -71,8 +71,13 @@ def run_stats_pass(
             n = chunk_size(rows)
             x_op = gemm.operand(rows_of(input, rows, x_rows_buf))
             targets, dot = head.native_targets(rows, p)
+            # Each block's loops write into its rows of ``sums``, with its own columns of
+            # the targets: no torch operation between a block's GEMM and the next (each took
+            # ~0.1 ms right after a GEMM on a 2-core Zen 5, ~3% of a bf16 forward).
             sums = torch.zeros((len(starts), 4, n), dtype=torch.float32, device=device)
-            owned = torch.empty((len(starts), n), dtype=torch.bool, device=device)
+            block_of = torch.div(targets, block, rounding_mode="floor")
+            owned = block_of == torch.arange(len(starts), device=device)[:, None]
+            local = torch.where(owned, targets - block_of * block, -1)
             for b, start in enumerate(starts):
                 stop = min(start + block, classes)
                 tile = _tile_view(flat, n, stop - start, half or not gemm.class_major)
@@ -80,12 +85,7 @@ def run_stats_pass(
                     gemm.half_logits(tile, x_op, w_op[start:stop])
                 else:
                     gemm.logits(tile, x_op, w_op[start:stop])
-                torch.logical_and(targets >= start, targets < stop, out=owned[b])
-                local = torch.where(owned[b], targets - start, -1)
-                part = loops.stats(tile, scale=scale, target=local, dot=dot)
-                sums[b, 0], sums[b, 1], sums[b, 3] = part.row_max, part.sum_exp, part.target_u
-                if dot:
-                    sums[b, 2] = part.dot
+                loops.stats(tile, scale=scale, target=local[b], dot=dot, out=sums[b])
             row_max, sum_exp, dot_sum, target_u = combine_blocks(sums, owned)
             stats = torch.empty((n, 1 + head.extra_sums), dtype=torch.float32, device=device)
             stats[:, 0] = sum_exp
