@@ -85,8 +85,9 @@ static inline float exp_nonpositive(float u) {
  * near-minimax polynomial of degree 6 (2e-9 relative on |r| <= ln 2 / 2). Half the
  * instructions of exp_nonpositive in the loops below. */
 static inline float exp_sum(float x) {
-    float t = x * 1.44269504088896341f + 12582912.0f;
-    float r = fmaf(t - 12582912.0f, -0.693147180559945f, x);
+    /* 1.5 2^23 + 127: t rounds x log2(e) to an integer n and its low bits hold n + 127. */
+    float t = x * 1.44269504088896341f + 12583039.0f;
+    float r = fmaf(t - 12583039.0f, -0.693147180559945f, x);
     float p = 0.0013836845755577087f;
     p = p * r + 0.008374815806746483f;
     p = p * r + 0.04166822507977486f;
@@ -96,7 +97,7 @@ static inline float exp_sum(float x) {
     p = p * r + 1.0f;
     uint32_t bits;
     memcpy(&bits, &t, 4);
-    bits = (bits + 127u) << 23;
+    bits <<= 23;
     float two_n;
     memcpy(&two_n, &bits, 4);
     return p * two_n;

@@ -435,6 +435,7 @@ class _Library:
 
 
 _library = _Library()
+_loops: dict[tuple[ctypes.CDLL, torch.dtype], NativeRows] = {}
 
 
 def _compiler() -> list[str]:
@@ -494,7 +495,13 @@ def native_rows(dtype: torch.dtype) -> NativeRows | None:
     if mode == "0" or dtype not in _SUFFIX:
         return None
     library = _library.get(required=mode == "1")
-    return None if library is None else NativeRows(library, dtype)
+    if library is None:
+        return None
+    # One per library and dtype: a call asks several times, each a few dozen microseconds.
+    key = (library, dtype)
+    if key not in _loops:
+        _loops[key] = NativeRows(library, dtype)
+    return _loops[key]
 
 
 def library_path() -> Path | None:
