@@ -552,7 +552,8 @@ def _counting(monkeypatch):
 
         monkeypatch.setattr(nr.NativeRows, name, call)
 
-    for name, key in (("stats", "stats"), ("grad_", "grad"), ("fused_", "fused")):
+    # stats_call: every statistics call, stats's own and the statistics pass's blocks.
+    for name, key in (("stats_call", "stats"), ("grad_", "grad"), ("fused_", "fused")):
         counted(name, key)
     return calls
 
@@ -1235,9 +1236,10 @@ def test_class_major_split_over_threads(rows):
 
 
 def _tile_layouts(monkeypatch):
-    """Records, for every tile the loops get (stats, fused_), whether it is class-major."""
+    """Records, for every tile the loops get (stats_call, fused_), whether it is
+    class-major."""
     seen = set()
-    for name in ("stats", "fused_"):
+    for name in ("stats_call", "fused_"):
         original = getattr(nr.NativeRows, name)
 
         def recorded(self, tile, *args, _original=original, **kwargs):

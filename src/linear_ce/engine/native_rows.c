@@ -198,26 +198,29 @@ static inline void fast_sums_bf16(const uint16_t* row, int64_t V, float scale, f
                                   float* sum_exp, float* dot) {
     float x = V % 2 ? clamp_sum(from_bf16(row[V - 1]) * scale - m) : EXP_SUM_CLAMP;
     float e = V % 2 ? exp_sum(x) : 0.0f;
-    float s = e, d = e * x;
+    /* The pair's halves in sums of their own: each term one fused multiply-add. */
+    float s = e, d = e * x, s_high = 0.0f, d_high = 0.0f;
     if (dot) {
-        _Pragma("omp simd reduction(+ : s, d) simdlen(LANES)")
+        _Pragma("omp simd reduction(+ : s, d, s_high, d_high) simdlen(LANES)")
         for (int64_t j = 0; j < V / 2; ++j) {
             uint32_t w = bf16_pair(row, j);
             float a = clamp_sum(low_bf16(w) * scale - m), b = clamp_sum(high_bf16(w) * scale - m);
             float ea = exp_sum(a), eb = exp_sum(b);
-            s += ea + eb;
-            d += ea * a + eb * b;
+            s += ea;
+            s_high += eb;
+            d += ea * a;
+            d_high += eb * b;
         }
-        *dot = d;
+        *dot = d + d_high;
     } else {
-        _Pragma("omp simd reduction(+ : s) simdlen(LANES)")
+        _Pragma("omp simd reduction(+ : s, s_high) simdlen(LANES)")
         for (int64_t j = 0; j < V / 2; ++j) {
             uint32_t w = bf16_pair(row, j);
-            s += exp_sum(clamp_sum(low_bf16(w) * scale - m))
-                 + exp_sum(clamp_sum(high_bf16(w) * scale - m));
+            s += exp_sum(clamp_sum(low_bf16(w) * scale - m));
+            s_high += exp_sum(clamp_sum(high_bf16(w) * scale - m));
         }
     }
-    *sum_exp = s;
+    *sum_exp = s + s_high;
 }
 
 /* The next row into the cache while this one's sums run: a tile just past a GEMM comes

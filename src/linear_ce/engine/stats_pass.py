@@ -72,20 +72,25 @@ def run_stats_pass(
             x_op = gemm.operand(rows_of(input, rows, x_rows_buf))
             targets, dot = head.native_targets(rows, p)
             # Each block's loops write into its rows of ``sums``, with its own columns of
-            # the targets: no torch operation between a block's GEMM and the next (each took
-            # ~0.1 ms right after a GEMM on a 2-core Zen 5, ~3% of a bf16 forward).
+            # the targets, all settled before the first GEMM: no torch operation between a
+            # block's GEMM and the next (each took ~0.1 ms right after a GEMM on a 2-core
+            # Zen 5; a bf16 forward's ~3%).
             sums = torch.zeros((len(starts), 4, n), dtype=torch.float32, device=device)
             block_of = torch.div(targets, block, rounding_mode="floor")
             owned = block_of == torch.arange(len(starts), device=device)[:, None]
             local = torch.where(owned, targets - block_of * block, -1)
+            blocks = []
             for b, start in enumerate(starts):
                 stop = min(start + block, classes)
                 tile = _tile_view(flat, n, stop - start, half or not gemm.class_major)
+                stats = loops.stats_call(tile, scale=scale, target=local[b], dot=dot, out=sums[b])
+                blocks.append((tile, w_op[start:stop], stats))
+            for tile, w_block, stats in blocks:
                 if half:
-                    gemm.half_logits(tile, x_op, w_op[start:stop])
+                    gemm.half_logits(tile, x_op, w_block)
                 else:
-                    gemm.logits(tile, x_op, w_op[start:stop])
-                loops.stats(tile, scale=scale, target=local[b], dot=dot, out=sums[b])
+                    gemm.logits(tile, x_op, w_block)
+                stats()
             row_max, sum_exp, dot_sum, target_u = combine_blocks(sums, owned)
             stats = torch.empty((n, 1 + head.extra_sums), dtype=torch.float32, device=device)
             stats[:, 0] = sum_exp
