@@ -1576,6 +1576,51 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "native_rows",
+        "compiled half gradient: a masked class's term below the clamp not zeroed",
+        _NATIVE_C,
+        (("float e = u < EXP_SUM_CLAMP ? 0.0f : exp_sum(x);", "float e = exp_sum(x);"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled half gradient: the b (x - mu) term dropped on the fast path",
+        _NATIVE_C,
+        (("return e * (a + b * (x - mu));", "return e * a;"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled bf16 gradient: a pair's halves written back swapped",
+        _NATIVE_C,
+        (
+            (
+                "uint32_t out = (uint32_t)to_bf16(low) | (uint32_t)to_bf16(high) << 16;",
+                "uint32_t out = (uint32_t)to_bf16(high) | (uint32_t)to_bf16(low) << 16;",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled half fused loops: a masked class's term below the clamp not zeroed",
+        _NATIVE_C,
+        (
+            (
+                "float x = u < EXP_SUM_CLAMP ? 0.0f : exp_sum(clamp_sum(u));",
+                "float x = exp_sum(clamp_sum(u));",
+            ),
+        ),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
+        "compiled half fused loops: a row holding a NaN keeps its fast path's sums",
+        _NATIVE_C,
+        (("return s == s;", "return 1;"),),
+        _NATIVE_TESTS,
+    ),
+    Mutation(
+        "native_rows",
         "compiled fp16 widening: inf read as a finite number",
         _NATIVE_C,
         (("bits = (b & 0x7fffu) >= 0x7c00u ? magnitude | 0x7f800000u : bits;", ""),),

@@ -144,8 +144,8 @@ static inline float exp_sum(float x) {
 
 /* fp16 by its bits: integer operations and one multiply, which vectorise on any CPU, where
  * GCC 12 leaves (float)h scalar without AVX512-FP16. The magnitude's bits, shifted into an
- * fp32's place (the row read as uint16_t), read as a number 2^112 too small (subnormals too: the multiply normalises
- * them); inf and NaN take the all-ones exponent. */
+ * fp32's place (the row read as uint16_t), read as a number 2^112 too small (subnormals too:
+ * the multiply normalises them); inf and NaN take the all-ones exponent. */
 static inline float widen_f16(uint16_t b) {
     uint32_t magnitude = (uint32_t)(b & 0x7fffu) << 13;
     float f;
@@ -223,6 +223,85 @@ static inline void fast_sums_bf16(const uint16_t* row, int64_t V, float scale, f
     *sum_exp = s + s_high;
 }
 
+/* The gradient's fast path for a half tile's row whose max m is finite (fast_grad_bf16,
+ * fast_grad_f16): g_j = e_j (a + b (x_j - mu)) over the clamped x_j (exp_sum), e_j = 0 where
+ * u_j is below the clamp (a masked class's gradient is exactly 0, times a NaN where the
+ * row's coefficients hold one), rounded once to the tile's dtype; 0 where the row takes the
+ * exact path (an infinite or NaN max). fp32 tiles always take it (fast_grad_f32), as in
+ * fast_exps below. */
+static inline float grad_term(float v, float m, float a, float b, float mu) {
+    float u = v - m;
+    float x = clamp_sum(u);
+    float e = u < EXP_SUM_CLAMP ? 0.0f : exp_sum(x);
+    return e * (a + b * (x - mu));
+}
+
+static inline int fast_grad_f16(void* data, int64_t V, float scale, float m, float a, float b,
+                                float mu) {
+    _Float16* row = data;
+    if (!isfinite(m)) return 0;
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < V; ++j)
+        row[j] = to_f16(grad_term(from_f16(row[j]) * scale, m, a, b, mu));
+    return 1;
+}
+
+/* bf16 a pair of logits per 32-bit word, as fast_sums_bf16, and both halves' gradients
+ * written back as one word. */
+static inline int fast_grad_bf16(void* data, int64_t V, float scale, float m, float a, float b,
+                                 float mu) {
+    uint16_t* row = data;
+    if (!isfinite(m)) return 0;
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < V / 2; ++j) {
+        uint32_t w = bf16_pair(row, j);
+        float low = grad_term(low_bf16(w) * scale, m, a, b, mu);
+        float high = grad_term(high_bf16(w) * scale, m, a, b, mu);
+        uint32_t out = (uint32_t)to_bf16(low) | (uint32_t)to_bf16(high) << 16;
+        memcpy(row + 2 * j, &out, 4);
+    }
+    if (V % 2) row[V - 1] = to_bf16(grad_term(from_bf16(row[V - 1]) * scale, m, a, b, mu));
+    return 1;
+}
+
+static inline int fast_grad_f32(void* data, int64_t V, float scale, float m, float a, float b,
+                                float mu) {
+    (void)data, (void)V, (void)scale, (void)m, (void)a, (void)b, (void)mu;
+    return 0;
+}
+
+/* The fused loops' fast path for a half tile's row (fast_exps_bf16, fast_exps_f16): its max
+ * m and, where m is finite, e_j = e^x_j (exp_sum; 0 where u_j is below the clamp, so that a
+ * masked class's gradient is exactly 0) into e and their sum z; 0 where the row takes the
+ * exact path (a NaN or infinite max, or a NaN in the sum). fp32 tiles always take it: their
+ * gradients keep exp_nonpositive's 2-ulp exponentials (fast_exps_f32). */
+#define FAST_EXPS(NAME, T, LOAD)                                                         \
+    static inline int fast_exps_##NAME(const void* data, int64_t V, float scale, float* e, \
+                                       float* row_max, float* sum_exp) {                 \
+        const T* row = data;                                                             \
+        float m = fast_max_##NAME(data, V, scale), s = 0.0f;                             \
+        if (!isfinite(m)) return 0;                                                      \
+        _Pragma("omp simd reduction(+ : s)")                                             \
+        for (int64_t j = 0; j < V; ++j) {                                                \
+            float u = LOAD(row[j]) * scale - m;                                          \
+            float x = u < EXP_SUM_CLAMP ? 0.0f : exp_sum(clamp_sum(u));                  \
+            e[j] = x;                                                                    \
+            s += x;                                                                      \
+        }                                                                                \
+        *row_max = m;                                                                    \
+        *sum_exp = s;                                                                    \
+        return s == s;                                                                   \
+    }
+
+FAST_EXPS(bf16, uint16_t, from_bf16)
+FAST_EXPS(f16, uint16_t, widen_f16)
+
+static inline int fast_exps_f32(const void* data, int64_t V, float scale, float* e,
+                                float* row_max, float* sum_exp) {
+    (void)data, (void)V, (void)scale, (void)e, (void)row_max, (void)sum_exp;
+    return 0;
+}
+
 /* The next row into the cache while this one's sums run: a tile just past a GEMM comes
  * back from memory, and the loops' reads alone leave it idle during each row's sums (a
  * 2048 x 4096 bf16 tile right after a GEMM, 2 Zen 5 cores: 1.31 -> 0.84 ms). */
@@ -288,16 +367,18 @@ static inline void prefetch_row(const void* row, int64_t bytes) {
                                               : e * (ai + b[i] * (u - mu[i]));           \
                 g_t += gamma[i];                                                         \
             }                                                                            \
-            if (b) {                                                                     \
+            int fast = fast_grad_##NAME(row, V, scale, m, ai, b ? b[i] : 0.0f,           \
+                                        b ? mu[i] : 0.0f);                               \
+            if (!fast && b) {                                                            \
                 float bi = b[i], mi = mu[i];                                             \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
-                    float u = value_##NAME(row[j], scale) - m;                \
+                    float u = value_##NAME(row[j], scale) - m;                           \
                     float e = exp_nonpositive(u);                                        \
                     row[j] = STORE(e * (e == 0.0f ? ai + bi + mi : ai + bi * (u - mi))); \
                 }                                                                        \
-            } else {                                                                     \
+            } else if (!fast) {                                                          \
                 _Pragma("omp simd") for (int64_t j = 0; j < V; ++j) {                    \
-                    row[j] = STORE(exp_nonpositive(value_##NAME(row[j], scale) - m) * ai); \
+                    row[j] = STORE(exp_nonpositive(value_##NAME(row[j], scale) - m) * ai);\
                 }                                                                        \
             }                                                                            \
             if (t >= 0) row[t] = STORE(g_t);                                             \
@@ -314,31 +395,35 @@ static inline void prefetch_row(const void* row, int64_t bytes) {
         if (!e) return -1;                                                               \
         for (int64_t i = r0; i < r1; ++i) {                                              \
             T* row = tile + i * ld;                                                      \
-            float m = -INFINITY;                                                         \
-            int nan = 0;                                                                 \
-            _Pragma("omp simd reduction(max : m) reduction(| : nan)")                    \
-            for (int64_t j = 0; j < V; ++j) {                                            \
-                float v = value_##NAME(row[j], scale);                                   \
-                m = v > m ? v : m;                                                       \
-                nan |= v != v;                                                           \
-            }                                                                            \
-            if (nan) m = NAN;                                                            \
-            float s[LANES] = {0};                                                        \
-            int64_t whole = V - V % LANES;                                               \
-            for (int64_t j = 0; j < whole; j += LANES) {                                 \
-                _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                    \
-                    float x = exp_nonpositive(value_##NAME(row[j + k], scale) - m);      \
-                    e[j + k] = x;                                                        \
-                    s[k] += x;                                                           \
+            float m, z;                                                                  \
+            if (i + 1 < r1) prefetch_row(row + ld, V * (int64_t)sizeof(T));              \
+            if (!fast_exps_##NAME(row, V, scale, e, &m, &z)) {                           \
+                m = -INFINITY;                                                           \
+                int nan = 0;                                                             \
+                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                \
+                for (int64_t j = 0; j < V; ++j) {                                        \
+                    float v = value_##NAME(row[j], scale);                               \
+                    m = v > m ? v : m;                                                   \
+                    nan |= v != v;                                                       \
                 }                                                                        \
+                if (nan) m = NAN;                                                        \
+                float s[LANES] = {0};                                                    \
+                int64_t whole = V - V % LANES;                                           \
+                for (int64_t j = 0; j < whole; j += LANES) {                             \
+                    _Pragma("omp simd") for (int k = 0; k < LANES; ++k) {                \
+                        float x = exp_nonpositive(value_##NAME(row[j + k], scale) - m);  \
+                        e[j + k] = x;                                                    \
+                        s[k] += x;                                                       \
+                    }                                                                    \
+                }                                                                        \
+                for (int64_t j = whole; j < V; ++j) {                                    \
+                    e[j] = exp_nonpositive(value_##NAME(row[j], scale) - m);             \
+                    s[j - whole] += e[j];                                                \
+                }                                                                        \
+                for (int width = LANES / 2; width > 0; width /= 2)                       \
+                    for (int k = 0; k < width; ++k) s[k] += s[k + width];                \
+                z = s[0];                                                                \
             }                                                                            \
-            for (int64_t j = whole; j < V; ++j) {                                        \
-                e[j] = exp_nonpositive(value_##NAME(row[j], scale) - m);                 \
-                s[j - whole] += e[j];                                                    \
-            }                                                                            \
-            for (int width = LANES / 2; width > 0; width /= 2)                           \
-                for (int k = 0; k < width; ++k) s[k] += s[k + width];                    \
-            float z = s[0];                                                              \
             float a = c0[i];                                                             \
             if (c1[i] != 0.0f) a += c1[i] * (isinf(m) ? m : m + logf(z));               \
             a /= z;                                                                      \
