@@ -106,7 +106,7 @@ static inline float exp_sum(float x) {
 
 /* The fast path's two reads of a row with v_j = LOAD(x_j) * scale: its max (a NaN never wins
  * the comparison: it shows in the sums instead) and S = sum e^x, D = sum e^x x (where d is
- * not NULL) over x_j = max(v_j - m, EXP_SUM_CLAMP), in LANES partial sums. */
+ * not NULL) over x_j = max(v_j - m, EXP_SUM_CLAMP), one partial sum per vector lane. */
 #define FAST_SUMS(NAME, T, LOAD)                                                \
     static inline float fast_max_##NAME(const void* data, int64_t V, float scale) {      \
         const T* row = data;                                                             \
