@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-matrix bench lint format clean mutate
+.PHONY: test test-matrix bench lint format clean mutate docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,13 @@ test-matrix:
 
 bench: $(STAMP)
 	$(PY) -m linear_ce.bench $(ARGS)
+
+# The docs site (mkdocs.yml) into build/site: README.md as the front page, the guides of docs/,
+# a reference page per public name. --strict: a warning (a broken link or anchor, a docstring
+# griffe cannot read) fails the build. The docs extra is installed on first use.
+docs: $(STAMP)
+	$(PY) -c "import mkdocstrings_handlers.python, material" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Not part of `make test`: applies each deliberate mistake of scripts/mutate.py to a
 # scratch copy and reports the ones the suite lets through (~20 minutes on 2 cores;
