@@ -970,15 +970,10 @@ _DTENSOR_MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dtensor",
-        "a Shard(0) head's front reports under its own name (vocab_parallel_...)",
+        "a vocab_parallel given beside DTensor arguments is silently overridden",
         _DTENSOR,
-        (
-            (
-                "return called[1] if called is not None and called[0] == front else front",
-                "return front",
-            ),
-        ),
-        ("tests/test_error_names.py", "-k", "dtensor"),
+        (('    if arguments.get("vocab_parallel") is not None:\n', "    if False:\n"),),
+        ("tests/test_error_names.py", "-k", "dtensor_call_with_vocab_parallel"),
     ),
 )
 
@@ -987,6 +982,20 @@ _DISTRIBUTED_TOPK_TESTS = (
 )
 
 _VOCAB_PARALLEL: tuple[Mutation, ...] = (
+    Mutation(
+        "vocab_parallel",
+        "VocabParallel takes a first class at or past the vocabulary's end",
+        "src/linear_ce/parallel/shard.py",
+        (("        if not 0 <= start < total:\n", "        if not 0 <= start:\n"),),
+        ("tests/test_error_names.py", "-k", "errors_name_the_class"),
+    ),
+    Mutation(
+        "vocab_parallel",
+        "a local shard running past the vocabulary's end is taken",
+        "src/linear_ce/parallel/shard.py",
+        (("    if start + local > total:\n", "    if False:\n"),),
+        ("tests/test_error_names.py", "-k", "shard_outside_the_vocabulary"),
+    ),
     Mutation(
         "vocab_parallel",
         "token head: targets read as local indices (no shard offset)",

@@ -1,4 +1,5 @@
-"""Vocab-parallel linear cross-entropy (``linear_ce.distributed``) over gloo on loopback.
+"""Vocab-parallel linear cross-entropy (``linear_cross_entropy(..., vocab_parallel=)``,
+``linear_ce.distributed``) over gloo on loopback.
 
 Each multi-process test spawns its ranks once; every rank loops over many
 cases, builds the same full inputs from a seed, runs its shard, and checks its
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 import linear_ce
 from conftest import eps, leave_gloo_group, rel_err, run_gloo_rank
-from linear_ce.distributed import vocab_parallel_linear_cross_entropy
+from linear_ce import VocabParallel
 
 IGNORE = -100
 DIST_TOL = 1e-5  # the issue's bound against the single-process result (fp32)
@@ -231,7 +232,7 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
     )
 
     def sharded(x, W, b, t, cw, tw):
-        out = vocab_parallel_linear_cross_entropy(
+        out = linear_ce.linear_cross_entropy(
             x,
             W,
             t,
@@ -240,7 +241,7 @@ def _run_case(case: dict, index: int, rank: int, world: int) -> list[str]:
             token_weight=tw,
             return_z_loss=True,
             return_lse=True,
-            **layout,
+            vocab_parallel=VocabParallel(**layout),
             **kw,
         )
         sharded.extras = out
@@ -355,13 +356,13 @@ def _count_collectives(rank: int, world: int) -> list[str]:
 
     def forward(reduction, layout, input_grad=True):
         def go():
-            state["loss"] = vocab_parallel_linear_cross_entropy(
+            state["loss"] = linear_ce.linear_cross_entropy(
                 x if input_grad else x.detach(),
                 shard,
                 t,
                 reduction=reduction,
                 options=options,
-                **layout,
+                vocab_parallel=VocabParallel(**layout),
             )
 
         return go
@@ -477,8 +478,11 @@ def test_single_rank_equals_linear_cross_entropy(one_rank):
 def test_requires_initialised_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="not initialised"):
-        vocab_parallel_linear_cross_entropy(
-            torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,))
+        linear_ce.linear_cross_entropy(
+            torch.randn(4, 3),
+            torch.randn(5, 3),
+            torch.randint(0, 5, (4,)),
+            vocab_parallel=VocabParallel(),
         )
 
 
@@ -488,36 +492,32 @@ def test_rejects_dtensor(one_rank):
 
     mesh = init_device_mesh("cpu", (1,))
     W = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])
-    with pytest.raises(TypeError, match=r"linear_weight is a DTensor.*to_local\(\)"):
-        vocab_parallel_linear_cross_entropy(torch.randn(4, 3), W, torch.randint(0, 5, (4,)))
+    with pytest.raises(ValueError, match=r"vocab_parallel is given with DTensor.*\.to_local\(\)"):
+        linear_ce.linear_cross_entropy(
+            torch.randn(4, 3), W, torch.randint(0, 5, (4,)), vocab_parallel=VocabParallel()
+        )
 
 
-@pytest.mark.parametrize(
-    ("layout", "message"),
-    [
-        (dict(vocab_start=0), "both vocab_start and num_classes"),
-        (dict(vocab_start=3, num_classes=7), r"\[3, 8\) does not lie in \[0, num_classes=7\)"),
-        (dict(vocab_start=-1, num_classes=9), "does not lie in"),
-        (dict(vocab_start=0, num_classes=True), "num_classes must be an int"),
-    ],
-)
-def test_layout_errors(one_rank, layout, message):
-    with pytest.raises(ValueError, match=message):
-        vocab_parallel_linear_cross_entropy(
-            torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,)), **layout
+def test_a_shard_outside_the_vocabulary(one_rank):
+    with pytest.raises(ValueError, match=r"\[3, 8\) does not lie in \[0, num_classes=7\)"):
+        linear_ce.linear_cross_entropy(
+            torch.randn(4, 3),
+            torch.randn(5, 3),
+            torch.randint(0, 5, (4,)),
+            vocab_parallel=VocabParallel(None, 3, 7),
         )
 
 
 def test_targets_and_class_weights_use_the_whole_vocabulary(one_rank):
     x, shard = torch.randn(4, 3), torch.randn(5, 3)
-    layout = dict(vocab_start=0, num_classes=9)
+    layout = VocabParallel(None, 0, 9)
     with pytest.raises(ValueError, match="class index 9, outside \\[0, 9\\)"):
-        vocab_parallel_linear_cross_entropy(x, shard, torch.tensor([0, 9, 1, 2]), **layout)
+        linear_ce.linear_cross_entropy(x, shard, torch.tensor([0, 9, 1, 2]), vocab_parallel=layout)
     with pytest.raises(ValueError, match=r"weight \(class weights\) must have shape \(9,\)"):
-        vocab_parallel_linear_cross_entropy(
-            x, shard, torch.tensor([0, 8, 1, 2]), weight=torch.ones(5), **layout
+        linear_ce.linear_cross_entropy(
+            x, shard, torch.tensor([0, 8, 1, 2]), weight=torch.ones(5), vocab_parallel=layout
         )
     with pytest.raises(ValueError, match=r"linear_bias must have shape \(5,\)"):
-        vocab_parallel_linear_cross_entropy(
-            x, shard, torch.tensor([0, 8, 1, 2]), linear_bias=torch.ones(9), **layout
+        linear_ce.linear_cross_entropy(
+            x, shard, torch.tensor([0, 8, 1, 2]), linear_bias=torch.ones(9), vocab_parallel=layout
         )

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import linear_ce
 from conftest import run_gloo_rank
-from linear_ce.distributed import vocab_parallel_linear_divergence
+from linear_ce import VocabParallel
 
 TOL = 1e-5
 
@@ -54,7 +54,7 @@ def _check(rank: int, world: int) -> list[str]:
             ws[mine].clone().requires_grad_(),
             bs[mine].clone().requires_grad_(),
         ]
-        out = vocab_parallel_linear_divergence(
+        out = linear_ce.linear_divergence(
             leaves[0],
             leaves[1],
             xt,
@@ -64,6 +64,7 @@ def _check(rank: int, world: int) -> list[str]:
             teacher_bias=bt[mine],
             options=options,
             **kw,
+            vocab_parallel=VocabParallel(),
         )
         full = [v.clone().requires_grad_() for v in (xs, ws, bs)]
         ref = linear_ce.linear_divergence(

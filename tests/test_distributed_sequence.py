@@ -27,7 +27,7 @@ import linear_ce
 import linear_ce.objectives as obj
 import sequence_formula as formula
 from conftest import eps, leave_gloo_group, rel_err, run_gloo_rank
-from linear_ce.distributed import vocab_parallel_sequence_objective
+from linear_ce import VocabParallel
 
 # Against the single-process call on the same fp32 inputs: the shards change only the
 # order of the row statistics' sums (~1e-7 relative), as tests/test_distributed.py.
@@ -126,8 +126,15 @@ def _check_vocab_parallel(rank: int, world: int) -> list[str]:
 
     for path, options in (("fused", FUSED), ("fallback", FALLBACK)):
         got = _run(
-            lambda xs, Ws, bs, o=options: vocab_parallel_sequence_objective(
-                xs, Ws, t, obj.dpo(BETA), linear_bias=bs, options=o, **kw
+            lambda xs, Ws, bs, o=options: linear_ce.sequence_objective(
+                xs,
+                Ws,
+                t,
+                obj.dpo(BETA),
+                linear_bias=bs,
+                options=o,
+                **kw,
+                vocab_parallel=VocabParallel(),
             ),
             x,
             W[own],
@@ -150,16 +157,15 @@ def _check_vocab_parallel(rank: int, world: int) -> list[str]:
     packed_x = x.reshape(-1, F)[:56]
     gspo = dict(cu_seqlens=cu, advantage=adv[:5], old_logprob=ref[:5] / 4)
     got = _run(
-        lambda xs, Ws, bs: vocab_parallel_sequence_objective(
+        lambda xs, Ws, bs: linear_ce.sequence_objective(
             xs,
             Ws,
             packed_t,
             obj.gspo(0.2, 0.3),
             linear_bias=bs,
             options=FUSED,
-            vocab_start=start,
-            num_classes=V,
             **gspo,
+            vocab_parallel=VocabParallel(None, start, V),
         ),
         packed_x,
         W[own],

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import linear_ce
 from conftest import run_gloo_rank
-from linear_ce.distributed import vocab_parallel_token_logprobs
+from linear_ce import VocabParallel
 
 TOL = 1e-5
 
@@ -56,7 +56,9 @@ def _check(rank: int, world: int) -> list[str]:
     xs = x.clone().requires_grad_()
     Ws = W[start : start + sizes[rank]].clone().requires_grad_()
     bs = b[start : start + sizes[rank]].clone().requires_grad_()
-    out = vocab_parallel_token_logprobs(xs, Ws, t, linear_bias=bs, options=options, **kw)
+    out = linear_ce.token_logprobs(
+        xs, Ws, t, linear_bias=bs, options=options, **kw, vocab_parallel=VocabParallel()
+    )
     reduced = _count_all_reduce(
         lambda: ((out.logprob * up_lp).sum() + (out.entropy * up_h).sum()).backward()
     )
@@ -102,7 +104,9 @@ def _check_masked_shard_starts(rank: int, world: int) -> list[str]:
     up = torch.randn(30, generator=g)
     shard = slice(starts[rank], starts[rank] + sizes[rank])
     xs, Ws = x.clone().requires_grad_(), W[shard].clone().requires_grad_()
-    got = vocab_parallel_token_logprobs(xs, Ws, t, linear_bias=b[shard]).logprob
+    got = linear_ce.token_logprobs(
+        xs, Ws, t, linear_bias=b[shard], vocab_parallel=VocabParallel()
+    ).logprob
     (got * up).sum().backward()
     xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
     want = linear_ce.token_logprobs(xr, Wr, t, linear_bias=b).logprob
@@ -160,7 +164,9 @@ def _check_ties(rank: int, world: int, sizes: list[int]) -> list[str]:
     }
     failures = []
     for rule, expected in want.items():
-        got = vocab_parallel_token_logprobs(x, shard, t, top1=True, top1_rule=rule).top1
+        got = linear_ce.token_logprobs(
+            x, shard, t, top1=True, top1_rule=rule, vocab_parallel=VocabParallel()
+        ).top1
         if not torch.equal(got, expected):
             failures.append(f"rank {rank}/{world} top1_rule={rule} differs at ties")
     return failures

@@ -1,10 +1,10 @@
 """Vocab-parallel top-k log-probabilities and sparse distillation over gloo on loopback,
 2 and 4 processes.
 
-``vocab_parallel_token_logprobs(topk=k)``: every rank's shard candidates merged (uneven
+``token_logprobs(topk=k, vocab_parallel=...)``: every rank's shard candidates merged (uneven
 shards, k above some shard sizes, ties across shard boundaries, ignored rows), against
 ``torch.topk`` of the float64 log-softmax of the full logits written here.
-``vocab_parallel_sparse_divergence``: the teacher's support split across the shards,
+``sparse_divergence(vocab_parallel=...)``: the teacher's support split across the shards,
 against the single-process ``sparse_divergence`` on the full head (itself checked against
 float64 in ``test_sparse_divergence``) and the float64 formula of the forward KL.
 """
@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import linear_ce
 from conftest import run_gloo_rank
-from linear_ce.distributed import vocab_parallel_sparse_divergence, vocab_parallel_token_logprobs
+from linear_ce import VocabParallel
 
 # fp32 against the single-process fp32 call: the same math summed in another order over
 # the shards (a few eps of the accumulated row sums), well above a hair.
@@ -55,7 +55,7 @@ def _check_topk(rank: int, world: int) -> list[str]:
     failures = []
     for transform in ({}, {"temperature": 0.5, "softcap": 6.0}):
         shard = slice(start, start + sizes[rank])
-        out = vocab_parallel_token_logprobs(
+        out = linear_ce.token_logprobs(
             x,
             W[shard],
             t,
@@ -63,6 +63,7 @@ def _check_topk(rank: int, world: int) -> list[str]:
             topk=k,
             options=linear_ce.LinearCrossEntropyOptions(batch_chunk_size=8),
             **transform,
+            vocab_parallel=VocabParallel(),
         )
         s = x.double() @ W.double().T + b.double()
         if "softcap" in transform:
@@ -133,7 +134,7 @@ def _check_sparse(rank: int, world: int) -> list[str]:
             W[shard].clone().requires_grad_(),
             b[shard].clone().requires_grad_(),
         )
-        loss = vocab_parallel_sparse_divergence(
+        loss = linear_ce.sparse_divergence(
             xs,
             Ws,
             ids,
@@ -142,6 +143,7 @@ def _check_sparse(rank: int, world: int) -> list[str]:
             linear_bias=bs,
             options=linear_ce.LinearCrossEntropyOptions(batch_chunk_size=8),
             **kw,
+            vocab_parallel=VocabParallel(),
         )
         (loss * up if kw["reduction"] == "none" else loss).sum().backward()
         xr, Wr, br = (v.clone().requires_grad_() for v in (x, W, b))
@@ -157,8 +159,14 @@ def _check_sparse(rank: int, world: int) -> list[str]:
             if not _rel(got, want) <= TOL:
                 failures.append(f"rank {rank}/{world} {kw} {name}: {_rel(got, want):.3g}")
     # The forward KL against the renormalised teacher, float64, written here.
-    loss = vocab_parallel_sparse_divergence(
-        x.double(), W[shard].double(), ids, lp, labels, reduction="none"
+    loss = linear_ce.sparse_divergence(
+        x.double(),
+        W[shard].double(),
+        ids,
+        lp,
+        labels,
+        reduction="none",
+        vocab_parallel=VocabParallel(),
     )
     logp = torch.log_softmax(x.double() @ W.double().T, -1)
     filled = (ids >= 0) & (lp.double() > -math.inf)
@@ -172,10 +180,10 @@ def _check_sparse(rank: int, world: int) -> list[str]:
     bad = ids.clone()
     bad[0, 0] = V  # one past the whole vocabulary
     try:
-        vocab_parallel_sparse_divergence(x, W[shard], bad, lp, labels)
+        linear_ce.sparse_divergence(x, W[shard], bad, lp, labels, vocab_parallel=VocabParallel())
         failures.append(f"rank {rank}/{world}: an id of V passed")
     except ValueError as error:
-        if "vocab_parallel_sparse_divergence" not in str(error):
+        if "sparse_divergence: " not in str(error):
             failures.append(f"rank {rank}/{world}: error does not name the function: {error}")
     return failures
 

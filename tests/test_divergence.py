@@ -679,7 +679,7 @@ def test_transient_memory_within_student_gradients(shape, loops):
 
 def _masked_hard_term_rank(rank: int, world: int) -> list[str]:
     """One rank of ``test_hard_term_beside_a_masked_class_on_another_shard``: the findings."""
-    from linear_ce.distributed import vocab_parallel_sparse_divergence
+    from linear_ce import VocabParallel
 
     g = torch.Generator().manual_seed(7)
     rows, features, classes, k = 23, 8, 37, 4
@@ -699,7 +699,7 @@ def _masked_hard_term_rank(rank: int, world: int) -> list[str]:
     hard = 0.4
     mine = slice(starts[rank], starts[rank] + sizes[rank])
     leaves = [x.clone().requires_grad_(), w[mine].clone().requires_grad_()]
-    got = vocab_parallel_sparse_divergence(
+    got = linear_ce.sparse_divergence(
         leaves[0],
         leaves[1],
         ids,
@@ -709,6 +709,7 @@ def _masked_hard_term_rank(rank: int, world: int) -> list[str]:
         hard_weight=hard,
         reduction="none",
         options=LinearCrossEntropyOptions(batch_chunk_size=8),
+        vocab_parallel=VocabParallel(),
     )
     grads = torch.autograd.grad((got * up).sum(), leaves)
     # The float64 plain expression on the whole head, written here: the forward KL from

@@ -296,6 +296,39 @@ def _check_divergence_hook(rank, world, mesh, classes) -> list[str]:
     return failures
 
 
+def _check_sparse_divergence_hook(rank, world, mesh, classes) -> list[str]:
+    """sparse_divergence on DTensors: the student's head split along the vocabulary (the
+    stored teacher's support split with it), the hidden states, the teacher's slots and the
+    labels as rows."""
+    failures = _Failures()
+    g = torch.Generator().manual_seed(17)
+    x, W = torch.randn(2, 7, 16, generator=g), torch.randn(classes, 16, generator=g)
+    top = torch.log_softmax(torch.randn(2, 7, classes, generator=g) * 2, -1).topk(5)
+    ids, lp = top.indices, top.values
+    ids[0, 3, 4], lp[0, 3, 4] = -1, -torch.inf  # an empty slot
+    t = torch.randint(0, classes, (2, 7), generator=g)
+    t[1, 2:5] = IGNORE
+    kw = dict(shift=True, beta=0.5, hard_weight=0.3, temperature=0.9, options=OPTIONS)
+    layouts = [((Shard(0),), None), ((Replicate(),), (Shard(1),)), ((Shard(0),), (Shard(1),))]
+    for reduction in ("mean", "sum", "none"):
+        xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
+        one = linear_ce.sparse_divergence(xs, Ws, ids, lp, t, reduction=reduction, **kw)
+        up = torch.randn(2, 7, generator=g) if reduction == "none" else torch.tensor(0.7)
+        one_g = torch.autograd.grad(one, [xs, Ws], up)
+        for w_pl, x_pl in layouts:
+            what = f"sparse divergence {reduction} W{w_pl} x{x_pl} rank {rank}/{world}"
+            xd = (_place(x, mesh, x_pl) if x_pl else x.clone()).requires_grad_()
+            Wd = _place(W, mesh, w_pl).requires_grad_()
+            loss = linear_ce.sparse_divergence(xd, Wd, ids, lp, t, reduction=reduction, **kw)
+            grads = torch.autograd.grad(
+                loss, [xd, Wd], distribute_tensor(up, mesh, loss.placements)
+            )
+            failures.check(f"{what} loss", loss, one)
+            for n, got, want in zip(("input", "weight"), grads, one_g, strict=True):
+                failures.check(f"{what} grad_{n}", got, want)
+    return failures
+
+
 def _check_module(rank, world, mesh, classes) -> list[str]:
     """LinearCrossEntropyLoss whose parameters are split along the vocabulary."""
     failures = _Failures()
@@ -526,6 +559,7 @@ def _checks(world: int) -> dict[str, Callable[[int], list[str]]]:
             "module": lambda r: _check_module(r, 2, mesh, 101),
             "plain_head": lambda r: _check_plain_head_with_split_rows(r, 2, mesh),
             "divergence": lambda r: _check_divergence_hook(r, 2, mesh, 101),
+            "sparse_divergence": lambda r: _check_sparse_divergence_hook(r, 2, mesh, 101),
             "tp_example": lambda r: _check_tensor_parallel_example(r, 2, mesh),
             "count": lambda r: _count_communication(r, 2, mesh),
         }
@@ -597,6 +631,14 @@ def test_token_heads(request, world):
 def test_hook_on_linear_divergence(world2):
     """accepts_dtensors on linear_divergence (the one line its module would add)."""
     assert world2["divergence"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hook_on_sparse_divergence(world2):
+    """sparse_divergence takes DTensors through the same function: a split head runs it with
+    the vocab_parallel its placements give; split rows sum a "mean" over the ranks."""
+    assert world2["sparse_divergence"] == []
 
 
 @pytest.mark.slow

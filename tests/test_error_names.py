@@ -18,15 +18,7 @@ import torch.distributed as dist
 
 import linear_ce
 from conftest import eps, leave_gloo_group, rel_err
-from linear_ce import LinearCrossEntropyOptions
-from linear_ce.distributed import (
-    vocab_parallel_linear_cross_entropy,
-    vocab_parallel_linear_divergence,
-    vocab_parallel_sequence_objective,
-    vocab_parallel_sparse_divergence,
-    vocab_parallel_token_logprobs,
-    vocab_parallel_token_objective,
-)
+from linear_ce import LinearCrossEntropyOptions, VocabParallel
 
 N, F_, V, FT = 6, 4, 5, 3
 
@@ -46,11 +38,19 @@ STUDENT = {
 }
 
 
-# The vocab-parallel functions get their layout: without it they gather the shard sizes,
+# The vocab-parallel calls get their layout: without it they gather the shard sizes,
 # a collective, and on torch < 2.8 destroying a gloo group that ran one can deadlock
 # (its destructor joins gloo's threads holding the GIL; pytorch PR 154976). With it,
 # every case here fails before any collective.
-LAYOUT = {"vocab_start": 0, "num_classes": V}
+LAYOUT = {"vocab_parallel": VocabParallel(None, 0, V)}
+#: A registry key's suffix for the call with a vocab-parallel head; it reports under the
+#: function's own name.
+VP = "@vocab_parallel"
+
+
+def _called(key: str) -> str:
+    """The public function a registry key calls (the name its errors report under)."""
+    return key.removesuffix(VP)
 
 
 def _single_head(fn, *extra, **fixed):
@@ -142,40 +142,40 @@ FUNCTIONS = {
         linear_ce.sparse_divergence,
         False,
     ),
-    "vocab_parallel_sequence_objective": (
-        _single_head(vocab_parallel_sequence_objective, _sequence_objective, **PACKED, **LAYOUT),
+    "sequence_objective" + VP: (
+        _single_head(linear_ce.sequence_objective, _sequence_objective, **PACKED, **LAYOUT),
         {},
-        vocab_parallel_sequence_objective,
+        linear_ce.sequence_objective,
         True,
     ),
-    "vocab_parallel_sparse_divergence": (
-        _sparse(vocab_parallel_sparse_divergence, **LAYOUT),
+    "sparse_divergence" + VP: (
+        _sparse(linear_ce.sparse_divergence, **LAYOUT),
         {},
-        vocab_parallel_sparse_divergence,
+        linear_ce.sparse_divergence,
         True,
     ),
-    "vocab_parallel_linear_cross_entropy": (
-        _single_head(vocab_parallel_linear_cross_entropy, **LAYOUT),
+    "linear_cross_entropy" + VP: (
+        _single_head(linear_ce.linear_cross_entropy, **LAYOUT),
         {},
-        vocab_parallel_linear_cross_entropy,
+        linear_ce.linear_cross_entropy,
         True,
     ),
-    "vocab_parallel_token_logprobs": (
-        _single_head(vocab_parallel_token_logprobs, **LAYOUT),
+    "token_logprobs" + VP: (
+        _single_head(linear_ce.token_logprobs, **LAYOUT),
         {},
-        vocab_parallel_token_logprobs,
+        linear_ce.token_logprobs,
         True,
     ),
-    "vocab_parallel_token_objective": (
-        _single_head(vocab_parallel_token_objective, _objective, **LAYOUT),
+    "token_objective" + VP: (
+        _single_head(linear_ce.token_objective, _objective, **LAYOUT),
         {},
-        vocab_parallel_token_objective,
+        linear_ce.token_objective,
         True,
     ),
-    "vocab_parallel_linear_divergence": (
-        _divergence(vocab_parallel_linear_divergence, **LAYOUT),
+    "linear_divergence" + VP: (
+        _divergence(linear_ce.linear_divergence, **LAYOUT),
         STUDENT,
-        vocab_parallel_linear_divergence,
+        linear_ce.linear_divergence,
         True,
     ),
 }
@@ -314,20 +314,18 @@ def group_for(tmp_path_factory):
 def test_error_names_function_and_argument(function, case, group_for):
     call, labels, _, _ = FUNCTIONS[function]
     changes, error, message = CASES[case]
-    message = OWN_MESSAGES.get((function.removeprefix("vocab_parallel_"), case), message)
+    message = OWN_MESSAGES.get((_called(function), case), message)
     group_for(function)
     names = {k: labels.get(k, k) for k in ("input", "linear_weight", "linear_bias", "softcap")}
     names["logit_scale"] = labels.get("logit_scale", "logit_scale")
-    expected = "^" + re.escape(function) + ": " + message.format(**names)
+    expected = "^" + re.escape(_called(function)) + ": " + message.format(**names)
     args = {"input": _x(), "linear_weight": _w(), "target": torch.randint(0, V, (N,))}
     args.update(changes)
     with pytest.raises(error, match=expected):
         call(args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args)
 
 
-@pytest.mark.parametrize(
-    "function", ["linear_divergence", "vocab_parallel_linear_divergence"], ids=str
-)
+@pytest.mark.parametrize("function", ["linear_divergence", "linear_divergence" + VP], ids=str)
 @pytest.mark.parametrize(
     ("argument", "value", "message"),
     [
@@ -346,7 +344,7 @@ def test_divergence_names_teacher_and_student_arguments(
     ``linear_cross_entropy: softcap``."""
     call = FUNCTIONS[function][0]
     group_for(function)
-    with pytest.raises(ValueError, match=f"^{function}: {message}"):
+    with pytest.raises(ValueError, match=f"^{_called(function)}: {message}"):
         call(_x(), _w(), torch.randint(0, V, (N,)), **{argument: value})
 
 
@@ -388,8 +386,8 @@ DISTILLATION = {
         "student_weight",
         False,
     ),
-    "vocab_parallel_linear_divergence": (
-        lambda x, w, t, **kw: vocab_parallel_linear_divergence(
+    "linear_divergence" + VP: (
+        lambda x, w, t, **kw: linear_ce.linear_divergence(
             x, w, torch.randn(N, FT), torch.randn(V, FT), t, **kw
         ),
         "student_weight",
@@ -400,8 +398,8 @@ DISTILLATION = {
         "linear_weight",
         False,
     ),
-    "vocab_parallel_sparse_divergence": (
-        lambda x, w, t, **kw: vocab_parallel_sparse_divergence(x, w, *_teacher_slots(), t, **kw),
+    "sparse_divergence" + VP: (
+        lambda x, w, t, **kw: linear_ce.sparse_divergence(x, w, *_teacher_slots(), t, **kw),
         "linear_weight",
         True,
     ),
@@ -440,9 +438,9 @@ def test_distillation_target_is_checked_whatever_hard_weight(
     call, _, needs_group = DISTILLATION[function]
     target, message = TARGET_CASES[case]
     if needs_group:
-        group_for("vocab_parallel_linear_cross_entropy")
+        group_for("linear_cross_entropy" + VP)
     layout = LAYOUT if needs_group else {}
-    with pytest.raises(ValueError, match=f"^{function}: {message}"):
+    with pytest.raises(ValueError, match=f"^{_called(function)}: {message}"):
         call(_x(), _w(), target, hard_weight=hard_weight, **layout)
 
 
@@ -452,7 +450,7 @@ def test_distillation_target_ignore_index_is_read(function, group_for):
     and an ignored position carries no loss (the loss equals that of the other rows)."""
     call, _, needs_group = DISTILLATION[function]
     if needs_group:
-        group_for("vocab_parallel_linear_cross_entropy")
+        group_for("linear_cross_entropy" + VP)
     layout = LAYOUT if needs_group else {}
     torch.manual_seed(0)
     x, w, t = _x(), _w(), _target()
@@ -461,68 +459,96 @@ def test_distillation_target_ignore_index_is_read(function, group_for):
     assert bool((rows[::2] == 0).all()) and bool((rows[1::2] > 0).all())
 
 
-# name -> (the call, from its head (only), with the layout keywords; the head's name)
+# name -> (the call, from its head (only), with vocab_parallel; the head's name)
 VOCAB_PARALLEL = {
-    "vocab_parallel_linear_cross_entropy": (
-        lambda w, **kw: vocab_parallel_linear_cross_entropy(_x(), w, _target(), **kw),
+    "linear_cross_entropy": (
+        lambda w, **kw: linear_ce.linear_cross_entropy(_x(), w, _target(), **kw),
         "linear_weight",
     ),
-    "vocab_parallel_token_logprobs": (
-        lambda w, **kw: vocab_parallel_token_logprobs(_x(), w, _target(), **kw),
+    "token_logprobs": (
+        lambda w, **kw: linear_ce.token_logprobs(_x(), w, _target(), **kw),
         "linear_weight",
     ),
-    "vocab_parallel_token_objective": (
-        lambda w, **kw: vocab_parallel_token_objective(_x(), w, _target(), _objective, **kw),
+    "token_objective": (
+        lambda w, **kw: linear_ce.token_objective(_x(), w, _target(), _objective, **kw),
         "linear_weight",
     ),
-    "vocab_parallel_sequence_objective": (
-        lambda w, **kw: vocab_parallel_sequence_objective(
+    "sequence_objective": (
+        lambda w, **kw: linear_ce.sequence_objective(
             _x()[None], w, _target()[None], _sequence_objective, **kw
         ),
         "linear_weight",
     ),
     **{
-        name: (lambda w, _call=call, **kw: _call(_x(), w, _target(), **kw), head)
+        _called(name): (lambda w, _call=call, **kw: _call(_x(), w, _target(), **kw), head)
         for name, (call, head, _) in DISTILLATION.items()
-        if name.startswith("vocab_parallel_")
+        if name.endswith(VP)
     },
 }
 
-LAYOUT_CASES = {
-    "vocab_start alone": (
-        {"vocab_start": 0},
-        r"pass both vocab_start and num_classes, or neither .*got vocab_start=0, num_classes=None",
-    ),
-    "num_classes not an int": (
-        {"vocab_start": 0, "num_classes": 5.0},
-        r"num_classes must be an int, got 5.0",
-    ),
-    "vocab_start a bool": (
-        {"vocab_start": True, "num_classes": V},
-        r"vocab_start must be an int, got True",
-    ),
-    "shard outside the vocabulary": (
-        {"vocab_start": 2, "num_classes": V},
-        r"the local shard \[vocab_start, vocab_start \+ 5\) = \[2, 7\) does not lie in "
-        r"\[0, num_classes=5\)",
-    ),
-}
+
+@pytest.mark.parametrize(
+    ("layout", "error", "message"),
+    [
+        (
+            {"vocab_start": 0},
+            ValueError,
+            r"pass both vocab_start and num_classes, or neither .*got vocab_start=0, "
+            "num_classes=None",
+        ),
+        ({"vocab_start": 0, "num_classes": 5.0}, TypeError, r"num_classes must be an int, got 5.0"),
+        (
+            {"vocab_start": True, "num_classes": V},
+            TypeError,
+            "vocab_start must be an int, got True",
+        ),
+        (
+            {"vocab_start": -1, "num_classes": V},
+            ValueError,
+            r"vocab_start must lie in \[0, num_classes\), got vocab_start=-1, num_classes=5",
+        ),
+        (
+            {"vocab_start": V, "num_classes": V},
+            ValueError,
+            r"vocab_start must lie in \[0, num_classes\), got vocab_start=5, num_classes=5",
+        ),
+        (
+            {"process_group": "world"},
+            TypeError,
+            "process_group must be a torch.distributed ProcessGroup or None .*got str",
+        ),
+    ],
+)
+def test_vocab_parallel_errors_name_the_class(layout, error, message):
+    with pytest.raises(error, match=f"^VocabParallel: {message}"):
+        VocabParallel(**layout)
 
 
-@pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
-def test_vocab_parallel_layout_errors_name_the_function_called(function, case, group_for):
+def test_vocab_parallel_shard_outside_the_vocabulary_names_the_function(function, group_for):
     call, _ = VOCAB_PARALLEL[function]
-    layout, message = LAYOUT_CASES[case]
-    group_for("vocab_parallel_linear_cross_entropy")
-    with pytest.raises(ValueError, match=f"^{function}: {message}"):
-        call(_w(), **layout)
+    group_for("linear_cross_entropy" + VP)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{function}: the local shard \[vocab_start, vocab_start \+ 5\) = \[2, 7\) "
+        r"does not lie in \[0, num_classes=5\)",
+    ):
+        call(_w(), vocab_parallel=VocabParallel(None, 2, V))
+
+
+@pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
+def test_vocab_parallel_not_a_vocab_parallel_names_the_function(function):
+    call, _ = VOCAB_PARALLEL[function]
+    with pytest.raises(
+        TypeError, match=rf"^{function}: vocab_parallel must be a linear_ce.VocabParallel or None"
+    ):
+        call(_w(), vocab_parallel={"vocab_start": 0, "num_classes": V})
 
 
 @pytest.mark.parametrize("function", list(VOCAB_PARALLEL))
 def test_vocab_parallel_shard_errors_name_the_function_and_its_head(function, group_for):
     call, head = VOCAB_PARALLEL[function]
-    group_for("vocab_parallel_linear_cross_entropy")
+    group_for("linear_cross_entropy" + VP)
     with pytest.raises(ValueError, match=f"^{function}: {head} must be this rank's shard, .*got"):
         call(torch.randn(V), **LAYOUT)
 
@@ -531,11 +557,10 @@ def test_vocab_parallel_shard_errors_name_the_function_and_its_head(function, gr
 def test_vocab_parallel_without_a_process_group_names_the_function(function, monkeypatch):
     call, _ = VOCAB_PARALLEL[function]
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    single = function.removeprefix("vocab_parallel_")
     with pytest.raises(
         RuntimeError,
-        match=rf"^{function}: torch.distributed is not initialised; .*linear_ce.{single} for a "
-        "weight that is not sharded",
+        match=rf"^{function}: torch.distributed is not initialised; .*pass vocab_parallel=None "
+        "for a head that is not split",
     ):
         call(_w(), **LAYOUT)
 
@@ -563,6 +588,9 @@ DTENSOR = {
     "linear_divergence": lambda w, **kw: linear_ce.linear_divergence(
         _x(), w, torch.randn(N, FT), _sharded(torch.randn(V, FT)), _target(), **kw
     ),
+    "sparse_divergence": lambda w, **kw: linear_ce.sparse_divergence(
+        _x(), w, *_teacher_slots(), _target(), **kw
+    ),
 }
 
 
@@ -576,12 +604,21 @@ DTENSOR = {
 )
 @pytest.mark.parametrize("function", list(DTENSOR))
 def test_dtensor_call_errors_name_the_function_called(function, change, message, group_for):
-    """A DTensor head runs the function's vocab-parallel front, whose checks report under
-    the function the user called (they said vocab_parallel_<function>)."""
-    group_for("vocab_parallel_linear_cross_entropy")
+    """A DTensor head runs the function with its vocab_parallel, whose checks report under
+    the function the user called."""
+    group_for("linear_cross_entropy" + VP)
     error = TypeError if "options" in change else ValueError
     with pytest.raises(error, match=f"^{function}: {message}"):
         DTENSOR[function](_sharded(_w()), **change)
+
+
+@pytest.mark.parametrize("function", list(DTENSOR))
+def test_dtensor_call_with_vocab_parallel_names_the_function_called(function, group_for):
+    """A DTensor head's placements say how the vocabulary is split; a vocab_parallel given
+    beside them is refused, not silently read or overridden."""
+    group_for("linear_cross_entropy" + VP)
+    with pytest.raises(ValueError, match=f"^{function}: vocab_parallel is given with DTensor"):
+        DTENSOR[function](_sharded(_w()), **LAYOUT)
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 0, 3])
@@ -631,14 +668,14 @@ def test_second_backward_names_the_function_called(function, group_for):
     call, _, _, _ = FUNCTIONS[function]
     group_for(function)
     out = call(_x().requires_grad_(), _w().requires_grad_(), torch.randint(0, V, (N,)))
-    _second_backward_raises(function, out.loss if function.endswith("sequence_objective") else out)
+    name = _called(function)
+    _second_backward_raises(name, out.loss if name == "sequence_objective" else out)
 
 
 @pytest.mark.parametrize("function", [name for name in DTENSOR if name != "token_logprobs"])
 def test_second_backward_names_the_function_called_with_a_dtensor_head(function, group_for):
-    """The DTensor head runs the vocab-parallel front; the second backward's error, raised
-    after the call returned, still names the function the user called (it named the
-    front)."""
-    group_for("vocab_parallel_linear_cross_entropy")
+    """The DTensor head runs the function with its vocab_parallel; the second backward's
+    error, raised after the call returned, names the function the user called."""
+    group_for("linear_cross_entropy" + VP)
     out = DTENSOR[function](_sharded(_w()).requires_grad_())
     _second_backward_raises(function, out.loss if function == "sequence_objective" else out)

@@ -25,8 +25,7 @@ import torch.multiprocessing as mp
 
 import linear_ce
 from conftest import eps, rel_err, run_gloo_rank
-from linear_ce import LinearCrossEntropyOptions
-from linear_ce.distributed import vocab_parallel_token_logprobs, vocab_parallel_token_objective
+from linear_ce import LinearCrossEntropyOptions, VocabParallel
 from linear_ce.losses.token_objective import ObjectiveHead
 
 B, T, FEAT, V = 2, 9, 8, 23
@@ -344,19 +343,32 @@ def _check_vocab_parallel(rank: int, world: int) -> list[str]:
 
     for statistic in STATISTICS:
         x, W, b = local_leaves(d)
-        out = vocab_parallel_token_logprobs(
-            x, W, d["t"], linear_bias=b, options=CHUNK, **{statistic: True}
+        out = linear_ce.token_logprobs(
+            x,
+            W,
+            d["t"],
+            linear_bias=b,
+            options=CHUNK,
+            **{statistic: True},
+            vocab_parallel=VocabParallel(),
         )
         try:
             (out.logprob.sum() + 1000 * getattr(out, statistic).sum()).backward()
             failures.append(f"rank {rank}: differentiating {statistic} raised nothing")
         except RuntimeError as error:
-            if f"vocab_parallel_token_logprobs: {statistic} is a statistic" not in str(error):
+            if f"token_logprobs: {statistic} is a statistic" not in str(error):
                 failures.append(f"rank {rank}: {statistic}: {error}")
 
     x, W, b = local_leaves(d)
-    out = vocab_parallel_token_logprobs(
-        x, W, d["t"], linear_bias=b, options=CHUNK, log_sum_sq_prob=True, mean_logit=True
+    out = linear_ce.token_logprobs(
+        x,
+        W,
+        d["t"],
+        linear_bias=b,
+        options=CHUNK,
+        log_sum_sq_prob=True,
+        mean_logit=True,
+        vocab_parallel=VocabParallel(),
     )
     out.logprob.sum().backward()
     ref = _leaves(d)
@@ -374,18 +386,32 @@ def _check_vocab_parallel(rank: int, world: int) -> list[str]:
     coef, _ = _captured("leaf")
     x, W, b = local_leaves(d)
     try:
-        vocab_parallel_token_objective(x, W, d["t"], lambda lp, ent, **_: coef * lp, linear_bias=b)
+        linear_ce.token_objective(
+            x,
+            W,
+            d["t"],
+            lambda lp, ent, **_: coef * lp,
+            linear_bias=b,
+            vocab_parallel=VocabParallel(),
+        )
         failures.append(f"rank {rank}: an objective closing over coef was not refused")
     except ValueError as error:
-        if "vocab_parallel_token_objective: objective's result depends on" not in str(error):
+        if "token_objective: objective's result depends on" not in str(error):
             failures.append(f"rank {rank}: closure: {error}")
 
     case = _objective_case(d, "advantage")
     side = {"old_logprob": case["old"], "advantage": case["adv"], "weight": case["weight"]}
     x, W, b = local_leaves(case)
     try:
-        loss = vocab_parallel_token_objective(
-            x, W, case["t"], _policy_objective, linear_bias=b, options=CHUNK, **side
+        loss = linear_ce.token_objective(
+            x,
+            W,
+            case["t"],
+            _policy_objective,
+            linear_bias=b,
+            options=CHUNK,
+            **side,
+            vocab_parallel=VocabParallel(),
         )
         got = [loss, *torch.autograd.grad(loss, [x, W, b])]
     except Exception as error:  # reported to the parent process

@@ -1,9 +1,9 @@
 """The public functions' signatures, pinned: what ``inspect.signature``, ``help()`` and the
 type hints show a user. Written out here from the documented parameter lists (each
 function's Args section, which must name every parameter), so a refactor of the code
-behind them (issue 30: shared checks and preludes) cannot change one unnoticed; the
-vocab-parallel fronts are their single-process function's signature with the three
-keywords that place the shard after the ``*``."""
+behind them (issue 30: shared checks and preludes) cannot change one unnoticed. Each
+family has one public function; a head split along the vocabulary is its
+``vocab_parallel`` argument (issue 48), not a second function."""
 
 from __future__ import annotations
 
@@ -187,21 +187,20 @@ SIGNATURES["token_logprobs_and_stats"] = (
     "-> tuple[TokenLogprobs, torch.Tensor]",
 )
 
-# The keywords a vocab-parallel front adds, first among its keyword-only parameters.
-SHARD_KEYWORDS = (
-    "process_group: dist.ProcessGroup | None = None",
-    "vocab_start: int | None = None",
-    "num_classes: int | None = None",
+# The families' public functions take a head split along the vocabulary as their last
+# named keyword (before a catch-all of side inputs).
+VOCAB_PARALLEL = "vocab_parallel: VocabParallel | None = None"
+FAMILIES = (
+    "linear_cross_entropy",
+    "token_logprobs",
+    "token_objective",
+    "linear_divergence",
+    "sparse_divergence",
+    "sequence_objective",
 )
-
-FRONTS = {
-    "vocab_parallel_linear_cross_entropy": "linear_cross_entropy",
-    "vocab_parallel_token_logprobs": "token_logprobs",
-    "vocab_parallel_token_objective": "token_objective",
-    "vocab_parallel_linear_divergence": "linear_divergence",
-    "vocab_parallel_sparse_divergence": "sparse_divergence",
-    "vocab_parallel_sequence_objective": "sequence_objective",
-}
+for _name in FAMILIES:
+    _end = next(i for i, e in enumerate(SIGNATURES[_name]) if e.startswith(("**", "->")))
+    SIGNATURES[_name] = (*SIGNATURES[_name][:_end], VOCAB_PARALLEL, *SIGNATURES[_name][_end:])
 
 
 def _function(name: str):
@@ -255,12 +254,22 @@ def test_every_parameter_is_documented(name):
     assert not missing, f"{name}: not in Args: {missing}"
 
 
-@pytest.mark.parametrize("front", sorted(FRONTS))
-def test_vocab_parallel_front_is_its_function_with_the_shard_keywords(front):
-    single = SIGNATURES[FRONTS[front]]
-    star = single.index("*") + 1
-    expected = (*single[:star], *SHARD_KEYWORDS, *single[star:])
-    fn = getattr(linear_ce.distributed, front)
-    assert _entries(fn) == expected
-    hints = typing.get_type_hints(fn)
-    assert set(hints) == {*inspect.signature(fn).parameters, "return"}
+def test_one_public_function_per_family():
+    """No ``vocab_parallel_<function>`` twin is left, in ``linear_ce`` or in
+    ``linear_ce.distributed`` (which holds only what is not a head)."""
+    for module in (linear_ce, linear_ce.distributed):
+        twins = [name for name in dir(module) if name.startswith("vocab_parallel_")]
+        assert not twins, f"{module.__name__}: {twins}"
+    assert sorted(linear_ce.distributed.__all__) == ["VocabParallel", "VocabShard", "shard_layout"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_vocab_parallel_is_documented_once_for_every_family(name):
+    """Every family's Args carry the one shared ``vocab_parallel`` entry, with the
+    family's own collectives after it."""
+    args = inspect.getdoc(_function(name)).split("Args:")[1].split("Returns:")[0]
+    entry = re.search(r"^    vocab_parallel: (.*?)(?=^    \S|\Z)", args, re.M | re.S)
+    assert entry, f"{name}: no vocab_parallel entry in Args"
+    text = " ".join(entry.group(1).split())
+    assert text.startswith("``None`` (the head is whole), or a :class:`~linear_ce.VocabParallel`")
+    assert "Collectives: " in text and "all_reduce" in text.split("Collectives: ")[1]

@@ -14,6 +14,7 @@ from linear_ce.memory import kept_scratch_bytes, release_scratch
 from linear_ce.module import LinearCrossEntropyLoss
 from linear_ce.options import LinearCrossEntropyOptions
 from linear_ce.outputs import LinearCrossEntropyOutput
+from linear_ce.parallel.shard import VocabParallel
 from linear_ce.sequence_objective import SequenceObjectiveOutput, sequence_objective
 from linear_ce.sparse_divergence import sparse_divergence
 from linear_ce.token_logprobs import (
@@ -30,6 +31,7 @@ __all__ = [
     "LinearCrossEntropyOutput",
     "SequenceObjectiveOutput",
     "TokenLogprobs",
+    "VocabParallel",
     "kept_scratch_bytes",
     "linear_cross_entropy",
     "linear_divergence",

@@ -1,4 +1,4 @@
-r"""Vocab-parallel linear cross-entropy over ``torch.distributed``.
+r"""Heads split along the vocabulary over ``torch.distributed``.
 
 Tensor-parallel training shards the output projection along the vocabulary:
 rank :math:`r` of a process group holds rows
@@ -32,42 +32,29 @@ the same chunks):
   computed) when ``input`` requires grad; backward communicates nothing.
 - ``reduction="none"``: ``2·K`` in forward; backward recomputes the chunks,
   ``2·K`` again, plus one all_reduce of the input gradient.
-- one all_gather of the shard sizes when ``vocab_start``/``num_classes`` are
-  not given (see :func:`shard_layout` to do it once and pass the result).
+- one all_gather of the shard sizes when the :class:`VocabParallel` does not give
+  ``vocab_start``/``num_classes`` (see :func:`shard_layout` to do it once and pass the result).
 
-:func:`vocab_parallel_token_logprobs` and :func:`vocab_parallel_token_objective` do the same
-for the per-token heads (``topk=k``: one all_gather of each rank's ``(N, k)`` candidates
-and one of their ids, after the loop), :func:`vocab_parallel_sequence_objective` for losses
-of whole sequences (chunks of whole groups, the same two all_reduce per chunk),
-:func:`vocab_parallel_sparse_divergence` for a stored teacher's top-k (its support split
-across the shards). DTensor arguments of the public functions reach these functions
-through :mod:`linear_ce.parallel.dtensor`.
+:func:`linear_ce.linear_cross_entropy` runs this when its ``vocab_parallel`` argument is a
+:class:`VocabParallel` (the group, the shard's first class, the vocabulary's size); every
+other head takes the same argument: :func:`linear_ce.token_logprobs` and
+:func:`linear_ce.token_objective` for the per-token heads (``topk=k``: one
+all_gather of each rank's ``(N, k)`` candidates and one of their ids, after the loop),
+:func:`linear_ce.sequence_objective` for losses of whole sequences (chunks of whole groups,
+the same two all_reduce per chunk), :func:`linear_ce.linear_divergence` for two heads split
+alike, :func:`linear_ce.sparse_divergence` for a stored teacher's top-k (its support split
+across the shards); each function's ``vocab_parallel`` entry lists its collectives. DTensor
+arguments reach the same path through :mod:`linear_ce.parallel.dtensor`: a head placed
+``Shard(0)`` gives the :class:`VocabParallel` itself.
 
 Only ``torch.distributed`` collectives are used, so any backend that
 implements all_reduce (MAX, SUM) and all_gather works: gloo for CPU tensors,
 NCCL for CUDA tensors.
 
-Each function here is the vocab-parallel front of its family, defined beside the
-single-process one (:mod:`linear_ce.functional`, :mod:`linear_ce.token_logprobs`,
-:mod:`linear_ce.token_objective`, :mod:`linear_ce.divergence`) over the same ops, with
-a :class:`VocabShard` as the vocabulary.
+This module holds what is not a head: :class:`VocabParallel`, :func:`shard_layout` (the
+gathered layout, once) and :class:`VocabShard` (the vocabulary the ops run on).
 """
 
-from linear_ce.divergence import vocab_parallel_linear_divergence
-from linear_ce.functional import vocab_parallel_linear_cross_entropy
-from linear_ce.parallel.shard import VocabShard, shard_layout
-from linear_ce.sequence_objective import vocab_parallel_sequence_objective
-from linear_ce.sparse_divergence import vocab_parallel_sparse_divergence
-from linear_ce.token_logprobs import vocab_parallel_token_logprobs
-from linear_ce.token_objective import vocab_parallel_token_objective
+from linear_ce.parallel.shard import VocabParallel, VocabShard, shard_layout
 
-__all__ = [
-    "VocabShard",
-    "shard_layout",
-    "vocab_parallel_linear_cross_entropy",
-    "vocab_parallel_linear_divergence",
-    "vocab_parallel_sequence_objective",
-    "vocab_parallel_sparse_divergence",
-    "vocab_parallel_token_logprobs",
-    "vocab_parallel_token_objective",
-]
+__all__ = ["VocabParallel", "VocabShard", "shard_layout"]

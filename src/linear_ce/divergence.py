@@ -1,6 +1,5 @@
-"""The distillation family's public functions: ``linear_divergence``, logit distillation
-between two LM heads, and its vocab-parallel front (documented under
-:mod:`linear_ce.distributed`)."""
+"""The distillation family's public function: ``linear_divergence``, logit distillation
+between two LM heads."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import HeadArguments, TransformArguments, gathered
 from linear_ce.checks.divergence import (
@@ -22,10 +20,10 @@ from linear_ce.engine.chunk_loop import Needs
 from linear_ce.ops.divergence import SCHEMA, DivergenceArguments, divergence, divergence_on_shard
 from linear_ce.ops.schema import PlanOptions
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors, called_as
-from linear_ce.parallel.shard import vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
-__all__ = ["linear_divergence", "vocab_parallel_linear_divergence"]
+__all__ = ["linear_divergence"]
 
 _NAME = "linear_divergence"
 # linear_divergence's names for the teacher's fields (DTensor dispatch hands the call's
@@ -81,74 +79,16 @@ def _result(
     return (loss, entropy.view(shape).detach()) if checked.return_entropy else loss
 
 
-def vocab_parallel_linear_divergence(
-    student_input: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_input: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    target: torch.Tensor | None = None,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    student_bias: torch.Tensor | None = None,
-    teacher_bias: torch.Tensor | None = None,
-    beta: float = 0.0,
-    temperature: float = 1.0,
-    student_logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
-    student_softcap: float | None = None,
-    teacher_softcap: float | None = None,
-    ignore_index: int = -100,
-    shift: bool | int = False,
-    reduction: str = "mean",
-    hard_weight: float = 0.0,
-    return_entropy: bool = False,
-    options: LinearCrossEntropyOptions | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`linear_ce.linear_divergence` with both heads sharded along the vocabulary
-    the same way.
-
-    Every rank passes its shards ``(V_r, F_s)`` of the student's head and ``(V_r, F_t)``
-    of the teacher's (and biases), and the same inputs and target; every rank gets the
-    same loss, equal to ``linear_divergence`` on the full heads. Per chunk of valid rows:
-    two all_reduce MAX (the student's and the teacher's row max) and one all_reduce SUM
-    of the row sums; one more SUM for ``0 < beta < 1`` (the mixture's sums need both
-    normalisers); "none" repeats them in backward; one all_reduce of the input gradient.
-
-    Example (under ``torchrun``)::
-
-        >>> loss = vocab_parallel_linear_divergence(
-        ...     hidden, student_shard, teacher_hidden, teacher_shard, labels, shift=True
-        ... )
-    """
-    name = called_as("vocab_parallel_linear_divergence")
-    head = HeadArguments(student_input, student_weight, target, student_bias, ignore_index, shift)
-    transform = TransformArguments(temperature, student_logit_scale, student_softcap)
-    teacher = TeacherArguments(
-        teacher_input, teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap
-    )
-    distillation = DistillationArguments(beta, hard_weight, reduction)
-    tensors = {
-        "student_input": student_input,
-        "student_weight": student_weight,
-        "teacher_input": teacher_input,
-        "teacher_weight": teacher_weight,
-        "student_bias": student_bias,
-        "teacher_bias": teacher_bias,
-    }
-    shard = vocab_shard(name, tensors, "student_weight", process_group, vocab_start, num_classes)
-    checked = check_divergence_call(
-        name, head, transform, teacher, distillation, return_entropy, shard.total
-    )
-    loss, entropy = divergence_on_shard(_arguments(checked, options, name), shard)
-    return _result(loss, entropy, checked)
-
-
 @accepts_dtensors(
     rows=("student_input", "teacher_input", "target"),
     heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
-    vocab_parallel=vocab_parallel_linear_divergence,
+    vocab_parallel=(
+        "both heads (and biases) split alike, the student's and the teacher's shards "
+        "(V_r, F_s) and (V_r, F_t); per chunk of valid rows two all_reduce MAX (each "
+        "head's row max) and one all_reduce SUM of the row sums, one more SUM for 0 < beta "
+        '< 1 (the mixture\'s sums need both normalisers); "none" repeats them in backward; '
+        "one all_reduce of the input gradient."
+    ),
     mean=_counted_positions,
 )
 def linear_divergence(
@@ -172,6 +112,7 @@ def linear_divergence(
     hard_weight: float = 0.0,
     return_entropy: bool = False,
     options: LinearCrossEntropyOptions | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Distillation loss between a student's and a teacher's next-token distributions,
     computed from both heads' hidden states without either ``(N, V)`` logits tensor.
@@ -244,7 +185,19 @@ def linear_divergence(
         teacher_input, teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap
     )
     distillation = DistillationArguments(beta, hard_weight, reduction)
-    checked = check_divergence_call(_NAME, head, transform, teacher, distillation, return_entropy)
+    shard = vocab_shard(_NAME, "student_weight", student_weight, vocab_parallel)
+    checked = check_divergence_call(
+        _NAME,
+        head,
+        transform,
+        teacher,
+        distillation,
+        return_entropy,
+        None if shard is None else shard.total,
+    )
     arguments = _arguments(checked, options, _NAME)
-    loss, entropy = divergence(*SCHEMA.flatten(arguments))[:2]
+    if shard is not None:
+        loss, entropy = divergence_on_shard(arguments, shard)
+    else:
+        loss, entropy = divergence(*SCHEMA.flatten(arguments))[:2]
     return _result(loss, entropy, checked)

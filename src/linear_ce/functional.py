@@ -1,8 +1,8 @@
-"""The cross-entropy family's public functions: ``linear_cross_entropy`` and its
-vocab-parallel front (documented under :mod:`linear_ce.distributed`).
+"""The cross-entropy family's public function, ``linear_cross_entropy``.
 
-Each checks its call, then runs the same op path (:mod:`linear_ce.ops.cross_entropy`)
-on the vocabulary it sees: the whole of it, or this rank's shard of a process group.
+It checks its call, then runs the op path (:mod:`linear_ce.ops.cross_entropy`) on the
+vocabulary it sees: the whole of it, or (``vocab_parallel``) this rank's shard of a
+process group.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import (
     Call,
@@ -34,10 +33,10 @@ from linear_ce.ops.cross_entropy import (
 )
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.outputs import LinearCrossEntropyOutput
-from linear_ce.parallel.dtensor import accepts_dtensors, called_as
-from linear_ce.parallel.shard import vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
-__all__ = ["linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
+__all__ = ["linear_cross_entropy"]
 
 _NAME = "linear_cross_entropy"
 
@@ -88,99 +87,17 @@ def _result(
     )
 
 
-def vocab_parallel_linear_cross_entropy(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    linear_bias: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    reduction: str = "mean",
-    ignore_index: int | None = None,
-    label_smoothing: float = 0.0,
-    options: LinearCrossEntropyOptions | None = None,
-    z_loss: float = 0.0,
-    return_z_loss: bool = False,
-    return_lse: bool = False,
-    softcap: float | None = None,
-    shift: bool | int = False,
-    token_weight: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    temperature: float = 1.0,
-    loss_dtype: torch.dtype | None = None,
-) -> torch.Tensor | LinearCrossEntropyOutput:
-    r""":func:`linear_ce.linear_cross_entropy` with the weight sharded along the vocabulary.
-
-    Every rank of ``process_group`` calls this with its own shard of the
-    output projection and the same ``input``, ``target``, ``weight`` and
-    ``token_weight``; every rank gets the same loss, equal to
-    ``linear_cross_entropy(input, W, target, ...)`` on the full
-    :math:`W = \mathrm{cat}(\text{shards})`. Gradients: ``linear_weight`` and
-    ``linear_bias`` get the gradient of their own rows (the matching slice of
-    the full one), ``input`` the full gradient (summed over ranks). The
-    collectives per call are listed in :mod:`linear_ce.distributed`.
-
-    All ranks must make the same calls with the same shapes, options,
-    ``requires_grad`` flags and upstream gradient (as when the loss is used
-    the same way on every rank); otherwise the collectives do not match up.
-
-    Args:
-        input: ``(*, F)`` hidden states, the same on every rank.
-        linear_weight: this rank's shard ``(V_r, F)`` (or ``(V_r, d1, …, dK, F)``),
-            rows ``[vocab_start, vocab_start + V_r)`` of the full weight. A
-            DTensor is rejected: pass ``.to_local()`` and its mesh's group.
-        target: class indices into the whole vocabulary ``[0, num_classes)``, or
-            probabilities ``(*, num_classes, d1, …, dK)`` over the whole vocabulary.
-        process_group: the group the vocabulary is sharded over; ``None`` is the
-            default (world) group.
-        vocab_start: first class of this rank's shard. With ``num_classes``, or
-            neither: then both come from one all_gather of the shard sizes, in
-            rank order (see :func:`~linear_ce.distributed.shard_layout`). Shards may be uneven.
-        num_classes: classes of the whole vocabulary.
-        linear_bias: this rank's bias shard ``(V_r, d1, …, dK)`` or ``None``.
-        weight: class weights of the whole vocabulary ``(num_classes,)``.
-        reduction, ignore_index, label_smoothing, options, z_loss, return_z_loss,
-        return_lse, softcap, shift, token_weight, logit_scale, temperature, loss_dtype: as in
-            :func:`linear_ce.linear_cross_entropy`; ``options`` must be the same
-            on every rank (the chunk size is planned from ``⌈num_classes / world⌉``
-            so that every rank runs the same number of chunks).
-
-    Returns:
-        The loss (identical on every rank), or :class:`LinearCrossEntropyOutput`
-        ``(loss, z_loss, lse)`` when ``return_z_loss`` or ``return_lse`` is set.
-
-    Example (one process per GPU, e.g. under ``torchrun``)::
-
-        >>> dist.init_process_group("nccl")
-        >>> rank, world = dist.get_rank(), dist.get_world_size()
-        >>> shard = full_lm_head.chunk(world)[rank].clone().requires_grad_()  # (V_r, F)
-        >>> loss = vocab_parallel_linear_cross_entropy(hidden, shard, labels, shift=True)
-        >>> loss.backward()   # shard.grad: its rows; hidden.grad: summed over ranks
-    """
-
-    name = called_as("vocab_parallel_linear_cross_entropy")
-    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
-    transform = TransformArguments(temperature, logit_scale, softcap)
-    terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)
-    tensors = {**head.tensors(), "weight": weight, "token_weight": token_weight}
-    shard = vocab_shard(
-        name, tensors, "linear_weight", process_group, vocab_start, num_classes, out_features=True
-    )
-    options = resolve_options(options, name)
-    call = check_call(name, head, transform, terms, num_classes=shard.total)
-    reported = reported_dtype(name, call.input, options, loss_dtype)
-    loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported)
-    return _result(loss, z_term, lse, call, return_z_loss, return_lse)
-
-
 @accepts_dtensors(
     rows=("input", "target", "token_weight"),
     heads=("linear_weight", "linear_bias"),
     whole=("weight",),
-    vocab_parallel=vocab_parallel_linear_cross_entropy,
+    vocab_parallel=(
+        "per chunk of valid rows and output position, one all_reduce MAX of the row "
+        "maxima and one all_reduce SUM of the row sums; one all_reduce of the input "
+        'gradient when input requires grad ("mean"/"sum": all in forward, backward '
+        'communicates nothing; "none": backward recomputes the chunks and repeats them); '
+        "one all_gather of the shard sizes when vocab_parallel does not place the shard."
+    ),
     mean=_weight_total,
 )
 def linear_cross_entropy(
@@ -203,6 +120,7 @@ def linear_cross_entropy(
     logit_scale: float = 1.0,
     temperature: float = 1.0,
     loss_dtype: torch.dtype | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     r"""Cross entropy of a linear projection, without materialising the logits.
 
@@ -279,9 +197,15 @@ def linear_cross_entropy(
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     transform = TransformArguments(temperature, logit_scale, softcap)
     terms = LossArguments(weight, reduction, label_smoothing, z_loss, token_weight)
-    call = check_call(_NAME, head, transform, terms)
+    shard = vocab_shard(_NAME, "linear_weight", linear_weight, vocab_parallel, out_features=True)
+    call = check_call(
+        _NAME, head, transform, terms, num_classes=None if shard is None else shard.total
+    )
     options = resolve_options(options, _NAME)
     reported = reported_dtype(_NAME, call.input, options, loss_dtype)
+    if shard is not None:
+        loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported)
+        return _result(loss, z_term, lse, call, return_z_loss, return_lse)
     if call.reduction == "none":
         arguments = CrossEntropyArguments.of(call, options, Needs(False, False, False))
         loss, z_term, lse = chunked_rows(*SCHEMA.flatten(arguments))[:3]

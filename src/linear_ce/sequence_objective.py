@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import HeadArguments, TransformArguments
 from linear_ce.checks.objective import check_objective_call
@@ -17,14 +16,13 @@ from linear_ce.engine.vocab import Vocab
 from linear_ce.losses.sequence_objective import Metrics, SequenceBatch, sequence_dtype
 from linear_ce.ops.sequence_objective import SequenceSpec, sequence_objective_op
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors, called_as
-from linear_ce.parallel.shard import vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
 __all__ = [
     "SequenceObjectiveOutput",
     "sequence_objective",
     "sequence_objective_loss",
-    "vocab_parallel_sequence_objective",
 ]
 
 _NAME = "sequence_objective"
@@ -126,62 +124,6 @@ def _check_objective(
                 )
 
 
-def vocab_parallel_sequence_objective(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    objective: Callable[[SequenceBatch], torch.Tensor],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    sequence: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    group: torch.Tensor | str | None = None,
-    linear_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    shift: bool | int = False,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    entropy: bool = False,
-    reduction: str = "mean",
-    options: LinearCrossEntropyOptions | None = None,
-    **side_inputs: torch.Tensor,
-) -> SequenceObjectiveOutput:
-    """:func:`linear_ce.sequence_objective` with the weight sharded along the vocabulary.
-
-    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
-    ``input``, ``target``, layout, groups and side inputs. The row statistics are combined
-    as in :func:`vocab_parallel_token_logprobs` (two all_reduce per chunk of whole groups,
-    the entropy's sum riding in the SUM one), so every rank evaluates ``objective`` on the
-    same log-probabilities and gets the same loss, ``logprob_sum`` and metrics, equal to
-    ``sequence_objective`` on the full weight; every rank plans the same chunks (from
-    ``⌈V / world⌉`` classes), on the fused path or the four-GEMM fallback alike. The
-    gradients are computed in forward; one all_reduce sums the input gradient over the
-    group, and backward communicates nothing. ``vocab_start`` and ``num_classes`` place
-    this rank's shard (both, or neither: one all_gather of the shard sizes).
-
-    Example (DPO under ``torchrun``)::
-
-        >>> out = vocab_parallel_sequence_objective(
-        ...     hidden, shard, labels, obj.dpo(beta=0.1), shift=True, group="pairs",
-        ...     ref_logprob=ref,
-        ... )
-        >>> out.loss.backward()
-    """
-    name = called_as("vocab_parallel_sequence_objective")
-    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
-    shard = vocab_shard(
-        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
-    )
-    transform = TransformArguments(temperature, logit_scale, softcap)
-    packing = (sequence, cu_seqlens, group)
-    return sequence_objective_loss(
-        name, head, transform, objective, packing, entropy, reduction, options, side_inputs, shard
-    )
-
-
 def _losses_on_rank(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
     """How many losses this rank's rows of a DTensor call average (the denominator of
     ``reduction="mean"`` when a batch dimension is split): the groups for an objective of
@@ -210,7 +152,13 @@ def _losses_on_rank(arguments: Mapping[str, Any], num_classes: int | None) -> to
     rows=("input", "target", "group"),
     heads=("linear_weight", "linear_bias"),
     per_token_keywords=True,
-    vocab_parallel=vocab_parallel_sequence_objective,
+    vocab_parallel=(
+        "as token_logprobs' (two all_reduce per chunk of whole groups, the entropy's sum "
+        "riding in the SUM one), so every rank evaluates objective on the same "
+        "log-probabilities and gets the same loss, logprob_sum and metrics, on the fused "
+        "path or the four-GEMM fallback alike; the gradients are computed in forward, one "
+        "all_reduce sums the input gradient, and backward communicates nothing."
+    ),
     mean=_losses_on_rank,
     whole_sequences=("sequence", "cu_seqlens"),
 )
@@ -232,6 +180,7 @@ def sequence_objective(
     entropy: bool = False,
     reduction: str = "mean",
     options: LinearCrossEntropyOptions | None = None,
+    vocab_parallel: VocabParallel | None = None,
     **side_inputs: torch.Tensor,
 ) -> SequenceObjectiveOutput:
     r"""A loss of whole sequences (DPO and its variants, SimPO, CPO, ORPO, KTO, GSPO, …) of
@@ -298,8 +247,9 @@ def sequence_objective(
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     transform = TransformArguments(temperature, logit_scale, softcap)
     packing = (sequence, cu_seqlens, group)
+    shard = vocab_shard(_NAME, "linear_weight", linear_weight, vocab_parallel)
     return sequence_objective_loss(
-        _NAME, head, transform, objective, packing, entropy, reduction, options, side_inputs
+        _NAME, head, transform, objective, packing, entropy, reduction, options, side_inputs, shard
     )
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import (
     Call,
@@ -15,6 +15,7 @@ from linear_ce.checks.call import (
     HeadArguments,
     TransformArguments,
     check_token_call,
+    gathered,
 )
 from linear_ce.checks.divergence import DistillationArguments, check_distillation
 from linear_ce.engine.chunk_loop import Needs
@@ -26,7 +27,8 @@ from linear_ce.ops.sparse_divergence import (
     sparse_divergence_op,
 )
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.shard import vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
 __all__ = [
     "MASS_TREATMENTS",
@@ -34,7 +36,6 @@ __all__ = [
     "StoredTeacher",
     "check_sparse_call",
     "sparse_divergence",
-    "vocab_parallel_sparse_divergence",
 ]
 
 _NAME = "sparse_divergence"
@@ -155,6 +156,34 @@ def check_sparse_call(
     )
 
 
+def _counted_positions(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
+    """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
+    split along rows)."""
+    head = gathered(HeadArguments, arguments)
+    transform = gathered(TransformArguments, arguments)
+    teacher = StoredTeacher(
+        arguments["target_ids"],
+        arguments["target_logprobs"],
+        arguments["target_temperature"],
+        arguments["mass"],
+    )
+    distillation = gathered(DistillationArguments, arguments)
+    checked = check_sparse_call(_NAME, head, transform, teacher, distillation, num_classes)
+    return (checked.call.target != checked.call.ignore_index).sum()
+
+
+@accepts_dtensors(
+    rows=("input", "target_ids", "target_logprobs", "target"),
+    heads=("linear_weight", "linear_bias"),
+    vocab_parallel=(
+        "the teacher's support is split across the shards (each rank reads the slots whose "
+        "ids lie in its slice); per chunk of valid rows one all_reduce MAX (the row max), one "
+        "all_reduce SUM of the row sums (the normaliser, the student's mass outside the "
+        "support where it is needed) and one more SUM of the slots' sums, which need the "
+        'normaliser; "none" repeats them in backward; one all_reduce of the input gradient.'
+    ),
+    mean=_counted_positions,
+)
 def sparse_divergence(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -174,6 +203,7 @@ def sparse_divergence(
     reduction: str = "mean",
     hard_weight: float = 0.0,
     options: LinearCrossEntropyOptions | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor:
     r"""Distillation loss against a stored teacher's top-k log-probabilities (sparse logit
     distillation), computed from the student's hidden states without its ``(N, V)`` logits
@@ -264,8 +294,15 @@ def sparse_divergence(
     transform = TransformArguments(temperature, logit_scale, softcap)
     teacher = StoredTeacher(target_ids, target_logprobs, target_temperature, mass)
     distillation = DistillationArguments(beta, hard_weight, reduction)
-    checked = check_sparse_call(_NAME, head, transform, teacher, distillation)
-    loss = sparse_divergence_op(*SCHEMA.flatten(_arguments(checked, options, _NAME)))[0]
+    shard = vocab_shard(_NAME, "linear_weight", linear_weight, vocab_parallel)
+    checked = check_sparse_call(
+        _NAME, head, transform, teacher, distillation, None if shard is None else shard.total
+    )
+    arguments = _arguments(checked, options, _NAME)
+    if shard is not None:
+        loss = sparse_divergence_on_shard(arguments, shard)
+    else:
+        loss = sparse_divergence_op(*SCHEMA.flatten(arguments))[0]
     return _result(loss, checked)
 
 
@@ -298,56 +335,3 @@ def _arguments(
 
 def _result(loss: torch.Tensor, checked: SparseDivergenceCall) -> torch.Tensor:
     return loss.view(checked.call.loss_shape) if checked.reduction == "none" else loss
-
-
-def vocab_parallel_sparse_divergence(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    target_logprobs: torch.Tensor,
-    target: torch.Tensor | None = None,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    linear_bias: torch.Tensor | None = None,
-    beta: float = 0.0,
-    mass: str = "renormalize",
-    temperature: float = 1.0,
-    target_temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
-    shift: bool | int = False,
-    reduction: str = "mean",
-    hard_weight: float = 0.0,
-    options: LinearCrossEntropyOptions | None = None,
-) -> torch.Tensor:
-    """:func:`linear_ce.sparse_divergence` with the student's head sharded along the
-    vocabulary.
-
-    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
-    ``input``, teacher slots (ids of the whole vocabulary) and ``target``; every rank gets
-    the same loss, equal to ``sparse_divergence`` on the full head. The teacher's support
-    is split across the shards: each rank reads the slots whose ids lie in its slice.
-    Per chunk of valid rows: one all_reduce MAX (the row max), one all_reduce SUM of the
-    row sums (the normaliser, the student's mass outside the support where it is needed)
-    and one more SUM of the slots' sums, which need the normaliser; "none" repeats them in
-    backward; one all_reduce of the input gradient.
-
-    Example (under ``torchrun``)::
-
-        >>> loss = vocab_parallel_sparse_divergence(
-        ...     hidden, shard, top_ids, top_logprobs, labels, shift=True
-        ... )
-    """
-    name = "vocab_parallel_sparse_divergence"
-    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
-    transform = TransformArguments(temperature, logit_scale, softcap)
-    teacher = StoredTeacher(target_ids, target_logprobs, target_temperature, mass)
-    distillation = DistillationArguments(beta, hard_weight, reduction)
-    tensors = {**head.tensors(), "target_ids": target_ids, "target_logprobs": target_logprobs}
-    shard = vocab_shard(name, tensors, "linear_weight", process_group, vocab_start, num_classes)
-    checked = check_sparse_call(name, head, transform, teacher, distillation, shard.total)
-    loss = sparse_divergence_on_shard(_arguments(checked, options, name), shard)
-    return _result(loss, checked)

@@ -1,12 +1,10 @@
 """The per-token family's public functions: ``token_logprobs`` (per-token
 log-probabilities, entropy, top-1 and two more statistics of each next-token
-distribution), its forms for a custom ``autograd.Function``, and its vocab-parallel
-front (documented under :mod:`linear_ce.distributed`)."""
+distribution), and its forms for a custom ``autograd.Function``."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import (
     Call,
@@ -28,15 +26,14 @@ from linear_ce.ops.token_logprobs import (
 )
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
 from linear_ce.outputs import TokenLogprobs
-from linear_ce.parallel.dtensor import accepts_dtensors, called_as
-from linear_ce.parallel.shard import vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
 __all__ = [
     "TokenLogprobs",
     "token_logprobs",
     "token_logprobs_and_stats",
     "token_logprobs_vjp",
-    "vocab_parallel_token_logprobs",
 ]
 
 _NAME = "token_logprobs"
@@ -130,63 +127,17 @@ def _with_stats(
     return _result((logprob, *statistics), call, asked), row_stats.detach()
 
 
-def vocab_parallel_token_logprobs(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    linear_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    shift: bool | int = False,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    entropy: bool = False,
-    top1: bool = False,
-    top1_rule: str = "unique",
-    log_sum_sq_prob: bool = False,
-    mean_logit: bool = False,
-    topk: int | None = None,
-    options: LinearCrossEntropyOptions | None = None,
-) -> TokenLogprobs:
-    """:func:`linear_ce.token_logprobs` with the weight sharded along the vocabulary.
-
-    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
-    ``input`` and ``target``; every rank gets the same outputs, equal to
-    ``token_logprobs`` on the full weight. The row statistics are combined with the
-    collectives of :mod:`linear_ce.distributed` (two all_reduce per chunk of valid
-    rows in forward; backward uses the forward's row statistics and needs only one
-    all_reduce, of the input gradient); the row sums of the entropy, top-1, ``log_sum_sq_prob`` and ``mean_logit`` ride in
-    the same SUM all_reduce. With ``topk=k`` each rank keeps its shard's ``k`` largest
-    per token and, after the loop, one all_gather of the ``(N, k)`` values and one of
-    their ids merges them exactly: the same values as ``token_logprobs`` on the full
-    weight (equal values ordered by id).
-
-    Example (under ``torchrun``)::
-
-        >>> out = vocab_parallel_token_logprobs(hidden, shard, ids, shift=True, entropy=True)
-    """
-
-    name = called_as("vocab_parallel_token_logprobs")
-    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
-    shard = vocab_shard(
-        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
-    )
-    options = resolve_options(options, name)
-    transform = TransformArguments(temperature, logit_scale, softcap)
-    asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, topk)
-    call, asked = _checked(name, head, transform, asked, shard.total)
-    arguments = _arguments(call, asked, options, Needs(False, False, False))
-    return _result(token_logprobs_on_shard(arguments, shard), call, asked)
-
-
 @accepts_dtensors(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
-    vocab_parallel=vocab_parallel_token_logprobs,
+    vocab_parallel=(
+        "per chunk of valid rows, one all_reduce MAX of the row maxima and one all_reduce "
+        "SUM of the row sums (the entropy's, top-1's, log_sum_sq_prob's and mean_logit's "
+        "ride in it); backward uses the forward's row statistics and needs one all_reduce, "
+        "of the input gradient. With topk=k each rank keeps its shard's k largest per token "
+        "and, after the loop, one all_gather of the (N, k) values and one of their ids merge "
+        "them exactly (equal values ordered by id)."
+    ),
 )
 def token_logprobs(
     input: torch.Tensor,
@@ -206,6 +157,7 @@ def token_logprobs(
     mean_logit: bool = False,
     topk: int | None = None,
     options: LinearCrossEntropyOptions | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> TokenLogprobs:
     r"""Log-probability of each target token, and optionally the entropy, top-1, the log
     of the summed squared probabilities and the mean logit of each next-token
@@ -286,7 +238,13 @@ def token_logprobs(
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     transform = TransformArguments(temperature, logit_scale, softcap)
     asked = TokenOutputs(entropy, top1, top1_rule, log_sum_sq_prob, mean_logit, topk)
-    return _with_stats(_NAME, head, transform, asked, options)[0]
+    shard = vocab_shard(_NAME, "linear_weight", linear_weight, vocab_parallel)
+    if shard is None:
+        return _with_stats(_NAME, head, transform, asked, options)[0]
+    options = resolve_options(options, _NAME)
+    call, asked = _checked(_NAME, head, transform, asked, shard.total)
+    arguments = _arguments(call, asked, options, Needs(False, False, False))
+    return _result(token_logprobs_on_shard(arguments, shard), call, asked)
 
 
 def token_logprobs_and_stats(

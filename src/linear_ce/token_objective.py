@@ -1,22 +1,20 @@
-"""The token-objective family's public functions: ``token_objective``, a token-local loss
-fused into the LM head, and its vocab-parallel front (documented under
-:mod:`linear_ce.distributed`)."""
+"""The token-objective family's public function: ``token_objective``, a token-local loss
+fused into the LM head."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from linear_ce.checks.call import HeadArguments, TransformArguments
 from linear_ce.checks.objective import check_objective_call
 from linear_ce.ops.token_objective import objective_loss
 from linear_ce.options import LinearCrossEntropyOptions, resolve_options
-from linear_ce.parallel.dtensor import accepts_dtensors, called_as
-from linear_ce.parallel.shard import VocabShard, vocab_shard
+from linear_ce.parallel.dtensor import accepts_dtensors
+from linear_ce.parallel.shard import VocabParallel, vocab_shard
 
-__all__ = ["token_objective", "vocab_parallel_token_objective"]
+__all__ = ["token_objective"]
 
 _NAME = "token_objective"
 
@@ -54,76 +52,17 @@ def _checked_side_inputs(
     return checked
 
 
-def _objective(
-    name: str,
-    shard: VocabShard | None,
-    head: HeadArguments,
-    transform: TransformArguments,
-    objective: Callable[..., torch.Tensor],
-    entropy: bool,
-    options: LinearCrossEntropyOptions | None,
-    side: dict[str, torch.Tensor],
-) -> torch.Tensor:
-    """:func:`token_objective` (errors name ``name``) on this rank's ``shard`` of the
-    vocabulary, or on the whole of it (``None``)."""
-    call, vocab = check_objective_call(name, head, transform, objective, entropy, side, shard)
-    checked_side = _checked_side_inputs(side, head.target, head.input, name)
-    options = resolve_options(options, name)
-    return objective_loss(name, call, objective, entropy, checked_side, options, vocab)
-
-
-def vocab_parallel_token_objective(
-    input: torch.Tensor,
-    linear_weight: torch.Tensor,
-    target: torch.Tensor,
-    objective: Callable[..., torch.Tensor],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    num_classes: int | None = None,
-    linear_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    shift: bool | int = False,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    entropy: bool = False,
-    options: LinearCrossEntropyOptions | None = None,
-    **token_tensors: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`linear_ce.token_objective` with the weight sharded along the vocabulary.
-
-    Every rank passes its shard ``(V_r, F)`` of the head (and bias) and the same
-    ``input``, ``target`` and side inputs; the row statistics are combined as in
-    :func:`vocab_parallel_token_logprobs` (two all_reduce per chunk of valid rows, the
-    entropy's sum riding in the SUM one), so every rank evaluates ``objective`` on the same
-    log-probabilities and gets the same loss, equal to ``token_objective`` on the full
-    weight. The gradients are computed in forward; one all_reduce sums the input gradient
-    over the group, and backward communicates nothing.
-
-    Example (under ``torchrun``)::
-
-        >>> loss = vocab_parallel_token_objective(
-        ...     hidden, shard, ids, obj.clipped_policy_gradient(0.2), shift=True,
-        ...     old_logprob=old, advantage=adv, weight=mask / mask.sum(),
-        ... )
-    """
-
-    name = called_as("vocab_parallel_token_objective")
-    head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
-    shard = vocab_shard(
-        name, head.tensors(), "linear_weight", process_group, vocab_start, num_classes
-    )
-    transform = TransformArguments(temperature, logit_scale, softcap)
-    return _objective(name, shard, head, transform, objective, entropy, options, token_tensors)
-
-
 @torch.compiler.disable
 @accepts_dtensors(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
     per_token_keywords=True,
-    vocab_parallel=vocab_parallel_token_objective,
+    vocab_parallel=(
+        "as token_logprobs' (two all_reduce per chunk of valid rows, the entropy's sum "
+        "riding in the SUM one), so every rank evaluates objective on the same "
+        "log-probabilities; the gradients are computed in forward, one all_reduce sums the "
+        "input gradient, and backward communicates nothing."
+    ),
 )
 def token_objective(
     input: torch.Tensor,
@@ -139,6 +78,7 @@ def token_objective(
     softcap: float | None = None,
     entropy: bool = False,
     options: LinearCrossEntropyOptions | None = None,
+    vocab_parallel: VocabParallel | None = None,
     **token_tensors: torch.Tensor,
 ) -> torch.Tensor:
     r"""A token-local objective of the LM head's log-probabilities, with its gradients
@@ -184,4 +124,10 @@ def token_objective(
 
     head = HeadArguments(input, linear_weight, target, linear_bias, ignore_index, shift)
     transform = TransformArguments(temperature, logit_scale, softcap)
-    return _objective(_NAME, None, head, transform, objective, entropy, options, token_tensors)
+    shard = vocab_shard(_NAME, "linear_weight", linear_weight, vocab_parallel)
+    call, vocab = check_objective_call(
+        _NAME, head, transform, objective, entropy, token_tensors, shard
+    )
+    side = _checked_side_inputs(token_tensors, target, input, _NAME)
+    options = resolve_options(options, _NAME)
+    return objective_loss(_NAME, call, objective, entropy, side, options, vocab)

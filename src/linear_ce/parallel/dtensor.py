@@ -5,8 +5,9 @@ parallelism, FSDP2, sequence parallelism, as torchtitan trains) as well as plain
 The placements of its arguments say, per mesh dimension, what runs:
 
 - the head (weight and bias) ``Shard(0)``: the vocabulary is split over that dimension's
-  group and the call runs vocab-parallel (the function's vocab-parallel front,
-  :mod:`linear_ce.distributed`, with its collectives);
+  group and the call runs vocab-parallel (the function itself with ``vocab_parallel=`` the
+  :class:`~linear_ce.parallel.shard.VocabParallel` the placements give, with the
+  collectives of :mod:`linear_ce.distributed`);
 - the input ``Shard(k)``, ``k`` a batch or sequence dimension, with a replicated head: the
   rows are split; every rank runs its own rows, and each scalar result (a ``"sum"``, a
   ``"mean"`` as global sum over global denominator) is summed over the dimension by one
@@ -29,11 +30,12 @@ as DTensor's own ``linear`` gives). A plain head with a split input gets that pa
 as a plain tensor (what a data-parallel wrapper reduces).
 
 The hook: a public function is decorated once, naming the roles of its arguments (here
-the per-token ones, the head's, and its vocab-parallel front)::
+the per-token ones, the head's, and the collectives of its ``vocab_parallel`` argument)::
 
     @accepts_dtensors(rows=("input", "target"), heads=("linear_weight", "linear_bias"),
-                      vocab_parallel=vocab_parallel_token_logprobs)
-    def token_logprobs(input, linear_weight, target, *, linear_bias=None, ...): ...
+                      vocab_parallel="two all_reduce per chunk ...")
+    def token_logprobs(input, linear_weight, target, *, linear_bias=None, ...,
+                       vocab_parallel=None): ...
 
 The head's tensors must be split alike (a plain one counts as replicated). Four arguments are
 read by name where the function has them: ``target``, ``shift`` and ``ignore_index`` (the labels
@@ -44,11 +46,11 @@ DTensor argument go straight to the function.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import inspect
 import math
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from linear_ce.checks.call import DEFAULT_IGNORE_INDEX, shifted_target
+from linear_ce.parallel.shard import VOCAB_PARALLEL_DOC, VocabParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -65,7 +68,7 @@ try:
 except ImportError:  # a torch build without distributed support holds no DTensor
     DTensor = None
 
-__all__ = ["accepts_dtensors", "called_as"]
+__all__ = ["accepts_dtensors"]
 
 FunctionT = TypeVar("FunctionT", bound=Callable[..., Any])
 
@@ -82,8 +85,8 @@ class _Roles:
     ``rows``: ``(*batch, ...)`` arguments, the first of them the input whose placements
     split the rows; ``per_token_keywords``: the function's ``**kwargs`` are such arguments
     too. ``heads``: ``(V, ...)`` arguments, split along the vocabulary together. ``whole``:
-    arguments every rank needs whole (class weights). ``vocab_parallel``: the function's
-    vocab-parallel front, for a vocabulary-split head. ``mean``: the local denominator of
+    arguments every rank needs whole (class weights). ``vocab_parallel``: the function takes
+    a ``vocab_parallel`` argument, for a vocabulary-split head. ``mean``: the local denominator of
     ``reduction="mean"``, for functions with a ``reduction`` argument. ``whole_sequences``:
     for a function of whole sequences, its packed-layout arguments (see
     :func:`accepts_dtensors`).
@@ -93,7 +96,7 @@ class _Roles:
     heads: tuple[str, ...]
     whole: tuple[str, ...]
     per_token_keywords: bool
-    vocab_parallel: Callable[..., Any] | None
+    vocab_parallel: bool
     mean: MeanDenominator | None
     whole_sequences: tuple[str, ...] | None
 
@@ -104,7 +107,7 @@ def accepts_dtensors(
     heads: tuple[str, ...],
     whole: tuple[str, ...] = (),
     per_token_keywords: bool = False,
-    vocab_parallel: Callable[..., Any] | None = None,
+    vocab_parallel: str | None = None,
     mean: MeanDenominator | None = None,
     whole_sequences: tuple[str, ...] | None = None,
 ) -> Callable[[FunctionT], FunctionT]:
@@ -115,10 +118,11 @@ def accepts_dtensors(
         heads: names of the vocabulary-major arguments (weight, bias).
         whole: names of the arguments every rank needs whole (class weights).
         per_token_keywords: the function's ``**kwargs`` are per-token tensors too.
-        vocab_parallel: the function that runs a head split along the vocabulary (the
-            vocab-parallel front of :mod:`linear_ce.distributed`), taking the same
-            arguments plus ``process_group``, ``vocab_start`` and ``num_classes``;
-            ``None``: such a head is an error.
+        vocab_parallel: the function takes a head split along the vocabulary through its
+            ``vocab_parallel`` argument (a :class:`~linear_ce.parallel.shard.VocabParallel`),
+            and this sentence says its collectives: it is inserted into the function's
+            ``Args`` with the ``vocab_parallel`` entry every family shares. ``None``: such
+            a head is an error.
         mean: the local denominator of ``reduction="mean"``, for a function with a
             ``reduction`` argument; its rows split over ranks then run ``"sum"``, and the
             scalar results are divided by the global denominator.
@@ -128,10 +132,16 @@ def accepts_dtensors(
             sequence, nor while a packed-layout argument is given, since a split sequence
             would be scored in pieces. ``None``: any batch or sequence split.
     """
-    roles = _Roles(rows, heads, whole, per_token_keywords, vocab_parallel, mean, whole_sequences)
+    roles = _Roles(
+        rows, heads, whole, per_token_keywords, vocab_parallel is not None, mean, whole_sequences
+    )
 
     def decorate(function: FunctionT) -> FunctionT:
         signature = inspect.signature(function)
+        if vocab_parallel is not None:
+            if "vocab_parallel" not in signature.parameters:
+                raise TypeError(f"{function.__name__} has no vocab_parallel argument")
+            function.__doc__ = _with_vocab_parallel_doc(function.__doc__ or "", vocab_parallel)
 
         @functools.wraps(function)
         def entry_point(*args: Any, **kwargs: Any) -> Any:
@@ -144,21 +154,22 @@ def accepts_dtensors(
     return decorate
 
 
-#: ``(front, caller)`` while a DTensor call of the public function ``caller`` runs its
-#: vocab-parallel front ``front`` (their ``__name__``s).
-_CALLED_AS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
-    "linear_ce_called_as", default=None
-)
-
-
-def called_as(front: str) -> str:
-    """The name the vocab-parallel function ``front`` reports under: the public function
-    the user called when a DTensor call of it runs ``front``, else ``front`` itself.
-
-    Every message of the call carries it, those raised as it runs and those that come
-    after it returned (a second backward's), so the front reads it once, at its start."""
-    called = _CALLED_AS.get()
-    return called[1] if called is not None and called[0] == front else front
+def _with_vocab_parallel_doc(doc: str, collectives: str) -> str:
+    """``doc`` with the shared ``vocab_parallel`` entry (:data:`VOCAB_PARALLEL_DOC`) at the
+    end of its ``Args`` block."""
+    lines = doc.split("\n")
+    if "    Args:" not in lines:
+        raise ValueError("a function with a vocab_parallel argument documents its Args")
+    start = lines.index("    Args:")
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
+    entry = textwrap.fill(
+        VOCAB_PARALLEL_DOC.format(collectives=collectives),
+        width=92,
+        initial_indent=" " * 8,
+        subsequent_indent=" " * 12,
+        break_on_hyphens=False,
+    )
+    return "\n".join([*lines[:end], entry, *lines[end:]])
 
 
 def _holds_dtensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -523,28 +534,16 @@ def _to_dtensor(value: torch.Tensor, layout: _Layout, input_shape: tuple[int, ..
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Runner:
-    """What runs on this rank: the function itself, or its vocab-parallel form with the
-    keywords that place this rank's shard."""
-
-    function: Callable[..., Any]
-    keywords: dict[str, Any]
-    num_classes: int | None
-
-
-def _runner(
-    name: str,
-    function: Callable[..., Any],
-    roles: _Roles,
-    arguments: Mapping[str, Any],
-    layout: _Layout,
-) -> _Runner:
+def _vocab_parallel(
+    name: str, roles: _Roles, arguments: Mapping[str, Any], layout: _Layout
+) -> VocabParallel | None:
+    """Where this rank's shard of a head split along the vocabulary lies (``None``: the
+    head is whole on every rank)."""
     if layout.vocab_dim is None:
-        return _Runner(function, {}, None)
+        return None
     mesh = layout.mesh
     head_arg = next(arg for arg in roles.heads if isinstance(arguments.get(arg), DTensor))
-    if roles.vocab_parallel is None:
+    if not roles.vocab_parallel:
         _fail(
             name,
             f"{head_arg} is split along the vocabulary (Shard(0) on "
@@ -553,12 +552,7 @@ def _runner(
     vocab_start, num_classes = _vocab_slice(
         name, mesh, layout.vocab_dim, arguments[head_arg], head_arg
     )
-    keywords = dict(
-        process_group=mesh.get_group(layout.vocab_dim),
-        vocab_start=vocab_start,
-        num_classes=num_classes,
-    )
-    return _Runner(roles.vocab_parallel, keywords, num_classes)
+    return VocabParallel(mesh.get_group(layout.vocab_dim), vocab_start, num_classes)
 
 
 def _local_arguments(
@@ -610,6 +604,13 @@ def _on_mesh(
     ]
     if stray:
         _fail(name, f"{', '.join(stray)} cannot be a DTensor; pass a plain tensor")
+    if arguments.get("vocab_parallel") is not None:
+        _fail(
+            name,
+            "vocab_parallel is given with DTensor arguments, whose placements say how the "
+            "vocabulary is split; pass vocab_parallel=None, or plain tensors (the head's "
+            "local shard, .to_local()) with vocab_parallel",
+        )
     input_arg = roles.rows[0]
     if not isinstance(arguments.get(input_arg), torch.Tensor):
         return function(*args, **kwargs)  # the function's own check names the mistake
@@ -624,20 +625,17 @@ def _on_mesh(
     _check_devices(name, mesh, tensors)
     _check_placement_kinds(name, mesh, tensors)
     layout = _mesh_layout(name, mesh, roles, arguments)
-    runner = _runner(name, function, roles, arguments, layout)
+    vocab = _vocab_parallel(name, roles, arguments, layout)
 
     local = _local_arguments(arguments, roles, layout, keywords_name, per_token)
     denominator = None
     if roles.mean is not None and layout.row_dims and local.get("reduction") == "mean":
-        denominator = roles.mean(local, runner.num_classes)
+        denominator = roles.mean(local, None if vocab is None else vocab.num_classes)
         local["reduction"] = "sum"
+    if vocab is not None:
+        local["vocab_parallel"] = vocab
     bound.arguments.update(local)
-    # The vocab-parallel front reports under the name the user called (called_as).
-    called = _CALLED_AS.set((runner.function.__name__, name))
-    try:
-        result = runner.function(*bound.args, **bound.kwargs, **runner.keywords)
-    finally:
-        _CALLED_AS.reset(called)
+    result = function(*bound.args, **bound.kwargs)
     outputs = _reduce_scalars(_outputs(result), layout, denominator)
     input_shape = tuple(arguments[input_arg].shape)
     return _rebuild(

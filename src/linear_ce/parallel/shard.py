@@ -1,7 +1,8 @@
 """A vocabulary split over a process group: which classes this rank holds, and the
 collectives that combine row statistics over the ranks that hold the others.
 
-Every vocab-parallel function starts with :func:`vocab_shard`: plain tensors only, the
+A public function called with ``vocab_parallel=`` a :class:`VocabParallel` (what the
+caller says about the split) starts with :func:`vocab_shard`: plain tensors only, the
 local shard of the head, a process group this rank is in, and where the shard lies
 (given, or gathered from the shard sizes by :func:`shard_layout`). What it returns is
 the vocabulary the ops run on (:class:`~linear_ce.engine.vocab.Vocab`).
@@ -9,12 +10,87 @@ the vocabulary the ops run on (:class:`~linear_ce.engine.vocab.Vocab`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["VocabShard", "shard_layout", "vocab_shard"]
+__all__ = ["VOCAB_PARALLEL_DOC", "VocabParallel", "VocabShard", "shard_layout", "vocab_shard"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallel:
+    r"""A head split along the vocabulary over a process group: this rank holds classes
+    ``[vocab_start, vocab_start + V_r)`` of ``num_classes``, ``V_r`` its shard's rows.
+
+    Passed as ``vocab_parallel=`` to a public function (:func:`linear_ce.linear_cross_entropy`,
+    :func:`~linear_ce.token_logprobs`, :func:`~linear_ce.token_objective`,
+    :func:`~linear_ce.sequence_objective`, :func:`~linear_ce.linear_divergence`,
+    :func:`~linear_ce.sparse_divergence`), it says the head tensors given are this rank's
+    shard; the collectives per call are listed in :mod:`linear_ce.distributed`.
+
+    Args:
+        process_group: the group the vocabulary is split over; ``None`` is the default
+            (world) group.
+        vocab_start: the first class of this rank's shard. With ``num_classes``, or
+            neither: then every call gathers both by one all_gather of the shard sizes, in
+            rank order (:func:`~linear_ce.distributed.shard_layout` does it once).
+        num_classes: the classes of the whole vocabulary (``vocab_start < num_classes``).
+
+    Example::
+
+        >>> group = dist.new_group([0, 1])
+        >>> layout = VocabParallel(group, *shard_layout(lm_head_shard, group))
+        >>> loss = linear_ce.linear_cross_entropy(hidden, lm_head_shard, labels,
+        ...                                       vocab_parallel=layout)
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    vocab_start: int | None = None
+    num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        group = self.process_group
+        if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise TypeError(
+                "VocabParallel: process_group must be a torch.distributed ProcessGroup or "
+                f"None (the default group), got {type(group).__name__}"
+            )
+        start, total = self.vocab_start, self.num_classes
+        if (start is None) != (total is None):
+            raise ValueError(
+                "VocabParallel: pass both vocab_start and num_classes, or neither (then they "
+                f"are gathered from the shard sizes); got vocab_start={start!r}, "
+                f"num_classes={total!r}"
+            )
+        if start is None:
+            return
+        for field, value in (("vocab_start", start), ("num_classes", total)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"VocabParallel: {field} must be an int, got {value!r}")
+        if not 0 <= start < total:
+            raise ValueError(
+                "VocabParallel: vocab_start must lie in [0, num_classes), got "
+                f"vocab_start={start}, num_classes={total}"
+            )
+
+
+#: The ``vocab_parallel`` entry of a public function's ``Args``, written once for every
+#: family: :func:`linear_ce.parallel.dtensor.accepts_dtensors` inserts it, with the
+#: family's ``collectives``.
+VOCAB_PARALLEL_DOC = (
+    "vocab_parallel: ``None`` (the head is whole), or a :class:`~linear_ce.VocabParallel`: "
+    "the head tensors given (weights, biases) are this rank's shard ``(V_r, ...)``, rows "
+    "``[vocab_start, vocab_start + V_r)`` of the whole head, and every other argument is the "
+    "same on every rank (class ids and class weights of the whole vocabulary). Every rank "
+    "gets the same result, equal to the call on the whole head; the head's shard gets the "
+    "gradient of its own rows, the input the whole gradient (summed over the group). Every "
+    "rank must make the same calls with the same shapes, options and ``requires_grad`` flags "
+    "(the chunk size is planned from ``⌈num_classes / world⌉`` classes, so every rank runs "
+    "the same chunks), or the collectives do not match up. Collectives: {collectives} A "
+    "DTensor head split along the vocabulary (``Shard(0)``) needs no ``vocab_parallel``: its "
+    "placements say where its shard lies."
+)
 
 
 class VocabShard:
@@ -78,12 +154,11 @@ def shard_layout(
     Ranks hold consecutive slices in rank order: ``vocab_start`` is the sum of
     the lower ranks' ``linear_weight.shape[0]``, ``num_classes`` the sum over
     all ranks. Shards may differ in size but none may be empty. Call it once
-    and pass the result to :func:`linear_ce.distributed.vocab_parallel_linear_cross_entropy`
-    (and the other vocab-parallel functions) to save the collective on every call.
+    and pass the result in a :class:`VocabParallel` to save the collective on every call.
 
     Example::
 
-        >>> vocab_start, num_classes = shard_layout(lm_head_shard, group)
+        >>> layout = VocabParallel(group, *shard_layout(lm_head_shard, group))
     """
     return _gathered_layout("shard_layout", linear_weight, process_group)
 
@@ -111,70 +186,33 @@ def _require_group(name: str, process_group: dist.ProcessGroup | None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"{name}: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group(...) first (or use "
-            f"linear_ce.{name.removeprefix('vocab_parallel_')} for a weight that is not sharded)"
+            "torch.distributed.init_process_group(...) first (or pass vocab_parallel=None "
+            "for a head that is not split)"
         )
     if dist.get_rank(process_group) < 0:
-        raise RuntimeError(f"{name}: this process is not a member of process_group")
-
-
-def _reject_dtensors(name: str, tensors: Mapping[str, torch.Tensor | None]) -> None:
-    """A DTensor would hide the shard layout behind its own dispatch; ask for local tensors."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    for arg, value in tensors.items():
-        if isinstance(value, DTensor):
-            raise TypeError(
-                f"{name}: {arg} is a DTensor, which the vocab-parallel functions do not take; "
-                f"pass the DTensors to linear_ce.{name.removeprefix('vocab_parallel_')} itself, "
-                "which lays them out on their mesh, or pass plain tensors here: the local "
-                "vocabulary shard of a head sharded on dim 0 (.to_local()), the replicated "
-                "tensors as local tensors (.to_local() / .full_tensor()), and "
-                "process_group=<the head>.device_mesh.get_group()"
-            )
-
-
-def _given_layout(
-    name: str, local: int, vocab_start: int | None, num_classes: int | None
-) -> tuple[int, int]:
-    if vocab_start is None or num_classes is None:
-        raise ValueError(
-            f"{name}: pass both vocab_start and num_classes, or neither (then they are "
-            f"gathered from the shard sizes); got vocab_start={vocab_start!r}, "
-            f"num_classes={num_classes!r}"
-        )
-    for arg, value in (("vocab_start", vocab_start), ("num_classes", num_classes)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}: {arg} must be an int, got {value!r}")
-    if local == 0:
-        raise ValueError(f"{name}: the local shard holds no class (shape[0] == 0)")
-    if vocab_start < 0 or vocab_start + local > num_classes:
-        raise ValueError(
-            f"{name}: the local shard [vocab_start, vocab_start + {local}) = "
-            f"[{vocab_start}, {vocab_start + local}) does not lie in [0, num_classes={num_classes})"
-        )
-    return vocab_start, num_classes
+        raise RuntimeError(f"{name}: this process is not a member of vocab_parallel.process_group")
 
 
 def vocab_shard(
     name: str,
-    tensors: Mapping[str, torch.Tensor | None],
     head: str,
-    process_group: dist.ProcessGroup | None,
-    vocab_start: int | None,
-    num_classes: int | None,
+    weight: torch.Tensor,
+    vocab_parallel: VocabParallel | None,
     *,
     out_features: bool = False,
-) -> VocabShard:
-    """The vocabulary of the vocab-parallel function ``name`` (errors name it): every one
-    of ``tensors`` plain (not a DTensor), ``tensors[head]`` this rank's shard of the head
-    (``(V_local, in_features)``, or with ``out_features`` also
-    ``(V_local, d1, ..., dK, in_features)``), this process in ``process_group``, and the
-    shard at ``vocab_start`` of ``num_classes`` (both, or neither: then gathered)."""
-    _reject_dtensors(name, tensors)
-    weight = tensors[head]
+) -> VocabShard | None:
+    """The vocabulary of the public function ``name`` (errors name it) called with
+    ``vocab_parallel``: ``None`` for a whole head; else ``weight`` (the argument ``head``)
+    this rank's shard of the head (``(V_local, in_features)``, or with ``out_features``
+    also ``(V_local, d1, ..., dK, in_features)``), this process in the group, and the shard
+    inside the vocabulary (given, or gathered from the shard sizes)."""
+    if vocab_parallel is None:
+        return None
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(
+            f"{name}: vocab_parallel must be a linear_ce.VocabParallel or None, got "
+            f"{type(vocab_parallel).__name__}"
+        )
     if not isinstance(weight, torch.Tensor) or (
         weight.dim() < 2 if out_features else weight.dim() != 2
     ):
@@ -187,9 +225,17 @@ def vocab_shard(
             f"{name}: {head} must be this rank's shard, {shapes}, got "
             f"{getattr(weight, 'shape', type(weight).__name__)}"
         )
-    _require_group(name, process_group)
-    if vocab_start is None and num_classes is None:
-        start, total = _gathered_layout(name, weight, process_group)
-    else:
-        start, total = _given_layout(name, weight.shape[0], vocab_start, num_classes)
-    return VocabShard(start, total, process_group)
+    group = vocab_parallel.process_group
+    _require_group(name, group)
+    start, total = vocab_parallel.vocab_start, vocab_parallel.num_classes
+    if start is None or total is None:
+        start, total = _gathered_layout(name, weight, group)
+    local = weight.shape[0]
+    if local == 0:
+        raise ValueError(f"{name}: the local shard {head} holds no class (shape[0] == 0)")
+    if start + local > total:
+        raise ValueError(
+            f"{name}: the local shard [vocab_start, vocab_start + {local}) = "
+            f"[{start}, {start + local}) does not lie in [0, num_classes={total})"
+        )
+    return VocabShard(start, total, group)
