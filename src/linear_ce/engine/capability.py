@@ -16,10 +16,11 @@ promise is :func:`linear_ce.engine.machine.half_gemm_pays`'s answer: measured un
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
+
+from linear_ce.engine.environment import read
 
 __all__ = [
     "HALF_DTYPES",
@@ -107,14 +108,7 @@ def native_half_mode() -> str:
     """``LINEAR_CE_NATIVE_HALF_GEMM``: ``"0"`` (never native), ``"1"`` (native wherever
     the flags allow) or ``"auto"`` (unset: native where the flags allow and it measures
     faster)."""
-    value = os.environ.get(NATIVE_HALF_GEMM_ENV, "auto").strip() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(
-            f"{NATIVE_HALF_GEMM_ENV} must be 0 (CPUs use the path without native half "
-            f"GEMMs), 1 (native half GEMMs wherever the CPU has them) or auto (where it has "
-            f"them and they measure faster than fp32, the default), got {value!r}"
-        )
-    return value
+    return read(NATIVE_HALF_GEMM_ENV)
 
 
 def _detect_on_cpu() -> bool:

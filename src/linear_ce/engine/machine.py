@@ -121,6 +121,7 @@ from pathlib import Path
 import torch
 
 from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_mode
+from linear_ce.engine.environment import cache_dir, read
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -252,97 +253,48 @@ _SHOWN_FLAGS = (
 )
 
 
-def _env_choice(name: str, allowed: dict[str, str]) -> str:
-    """The value of ``name`` (``"auto"`` when unset), one of ``allowed`` (value → meaning)."""
-    value = os.environ.get(name, "auto").strip() or "auto"
-    if value not in allowed:
-        meanings = ", ".join(f"{k} ({v})" for k, v in allowed.items())
-        raise ValueError(f"{name} must be one of {meanings}; got {value!r}")
-    return value
-
-
 def _measure_mode() -> str:
-    return _env_choice(
-        MEASURE_ENV,
-        {
-            "0": "never measure: the fixed fallback rule",
-            "1": "measure, cache per machine on disk",
-            "auto": "the same as 1, the default",
-            "process": "measure, cache in this process only",
-        },
-    )
+    return read(MEASURE_ENV)
 
 
 def memory_budget() -> float | None:
     """``LINEAR_CE_MEMORY_BUDGET``: the fp32 chunk loop's scratch as a share of the
     gradients' bytes, or ``None`` where unset (``linear_ce.engine.plan.BUDGET_SHARE``)."""
-    text = os.environ.get(MEMORY_BUDGET_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{MEMORY_BUDGET_ENV} must be a positive number, the share of the gradients' bytes "
-            f"the chunk scratch may take (default 0.25); got {text!r}"
-        )
-    return value
+    return read(MEMORY_BUDGET_ENV)
 
 
 def _forced_rows() -> int | None:
-    return _forced_count(CHUNK_ROWS_ENV, "rows per chunk (forcing the plan's choice)")
-
-
-def _forced_count(name: str, what: str) -> int | None:
-    text = os.environ.get(name, "auto").strip() or "auto"
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(
-            f"{name} must be a positive number of {what} or auto (measured, the default); "
-            f"got {text!r}"
-        )
-    return int(text)
+    return read(CHUNK_ROWS_ENV)
 
 
 def _forced_class_block() -> int | None:
-    return _forced_count(CLASS_BLOCK_ENV, "classes (forcing the vocabulary pass's block)")
+    return read(CLASS_BLOCK_ENV)
 
 
 def forced_stats_block() -> int | None:
     """``LINEAR_CE_STATS_BLOCK``: the classes per block it forces on the statistics pass
     (:mod:`linear_ce.engine.stats_pass`), ``0`` for ``off`` (no statistics pass: chunks of
     whole rows), ``None`` for ``auto`` (the plan's choice)."""
-    text = os.environ.get(STATS_BLOCK_ENV, "auto").strip() or "auto"
-    if text == "off":
-        return 0
-    return _forced_count(STATS_BLOCK_ENV, "classes per block of the statistics pass, off")
+    return read(STATS_BLOCK_ENV)
 
 
 def _forced_step_rows() -> int | None:
-    return _forced_count(STEP_ROWS_ENV, "rows (forcing a half tile's step)")
+    return read(STEP_ROWS_ENV)
 
 
-def _forced_either(name: str, choices: dict[str, str], yes: str) -> bool | None:
-    """A two-way choice forced by ``name``, one of ``choices`` (value → meaning): whether
-    it is ``yes``, or ``None`` for ``auto`` (measured)."""
-    value = _env_choice(name, {**choices, "auto": "measured, the default"})
+def _forced_either(name: str, yes: str) -> bool | None:
+    """A two-way choice forced by ``name``: whether it is ``yes``, or ``None`` for ``auto``
+    (measured)."""
+    value = read(name)
     return None if value == "auto" else value == yes
 
 
 def _forced_exp2() -> bool | None:
-    meanings = {"exp": "e^u with torch.exp", "exp2": "e^u as 2^(u log2 e) with torch.exp2"}
-    return _forced_either(EXP_ENV, meanings, "exp2")
+    return _forced_either(EXP_ENV, "exp2")
 
 
 def _forced_layout() -> bool | None:
-    meanings = {
-        "class-major": "a (V, B) array used as its transpose",
-        "row-major": "a (B, V) array",
-    }
-    return _forced_either(TILE_LAYOUT_ENV, meanings, "class-major")
+    return _forced_either(TILE_LAYOUT_ENV, "class-major")
 
 
 def _can_measure(device: torch.device) -> bool:
@@ -440,11 +392,7 @@ class _Store:
     def _path(self) -> Path | None:
         if _measure_mode() == "process":
             return None
-        root = os.environ.get(CACHE_DIR_ENV, "").strip()
-        if not root:
-            xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-            root = os.path.join(xdg or os.path.join(os.path.expanduser("~"), ".cache"), "linear_ce")
-        return Path(root) / f"machine-{_fingerprint()}.json"
+        return cache_dir() / f"machine-{_fingerprint()}.json"
 
     def _warn(self, text: str) -> None:
         if not self.warned:
@@ -460,8 +408,9 @@ class _Store:
         try:
             data = json.loads(path.read_text())
             problem = _check(data, _machine_key())
-        except (OSError, ValueError) as error:
-            problem = str(error)
+        except (OSError, ValueError, RecursionError) as error:
+            # RecursionError: JSON nested deeper than the parser's stack.
+            problem = f"{type(error).__name__}: {error}"
         if problem is not None:
             self._warn(f"ignoring the machine profile {path} ({problem}); measuring again")
             return
@@ -492,7 +441,7 @@ class _Store:
                     if _check(data, _machine_key()) is None:
                         merged = {**data["rates"], **merged}
                 _write_atomically(path, merged)
-            except (OSError, ValueError) as error:
+            except (OSError, ValueError, RecursionError) as error:
                 self._warn(
                     f"cannot write the machine profile {path} ({error}); measured per process"
                 )
@@ -504,6 +453,11 @@ def _steady(rates: list[float]) -> bool:
     ``NOISE_LIMIT``, threads busy at least ``MIN_BUSY``. Only such a measurement decides a
     choice or is written to disk."""
     return rates[-2] <= 1 + NOISE_LIMIT and rates[-1] >= MIN_BUSY
+
+
+#: The values of an entry, by its kind (a key's first part): a chunk's four rates, a
+#: half, step or exp measurement's one, each then its spread and busy share.
+_ENTRY_LENGTHS = {"chunk": 6, "half": 3, "step": 3, "exp": 3}
 
 
 def _check(data: object, machine: dict) -> str | None:
@@ -519,7 +473,7 @@ def _check(data: object, machine: dict) -> str | None:
         if not (
             isinstance(key, str)
             and isinstance(value, list)
-            and value
+            and len(value) == _ENTRY_LENGTHS.get(key.split("/")[0])
             and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in value)
         ):
             return f"bad entry {key!r}"
@@ -534,7 +488,8 @@ def _write_atomically(path: Path, rates: dict[str, list[float]]) -> None:
         "rates": rates,
         "checksum": _checksum(machine, rates),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Private to its user (the compiled row loops are loaded from it too).
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(handle, "w") as out:
@@ -960,9 +915,6 @@ def tuning_for(device: torch.device, dtype: torch.dtype, features: int, flops: f
     """The :class:`Tuning` of a call on ``device`` whose GEMMs (operands ``dtype``, inner
     dimension ``features``) take ``flops``; measured at ``min(features,
     MAX_MEASURE_FEATURES)`` features."""
-    # Every override is read here, so a bad value is an error on any call, not only on
-    # the calls whose plan consults it.
-    _forced_rows(), _forced_layout(), _forced_class_block(), _forced_step_rows(), _forced_exp2()
     allowed = dtype in _DTYPE_NAMES and features > 0 and _can_measure(device)
     return Tuning(allowed, dtype, min(features, MAX_MEASURE_FEATURES), float(flops))
 

@@ -28,8 +28,27 @@ operations to rounding (the tests compare both with float64 at the house bound).
 The library is compiled on first use by the C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) and kept in the cache directory of
 :mod:`linear_ce.engine.machine` (``LINEAR_CE_CACHE_DIR``), named by a hash of the source,
-the compiler, its flags and the CPU, so a new CPU or compiler builds its own. Rows are
-split over ``torch.get_num_threads()`` threads: in an OpenMP region of the runtime torch's
+the compiler, its flags and the CPU, so a new CPU or compiler builds its own. What is
+loaded from there must be what this user built:
+
+- the directory must belong to this user and be writable by no one else (a world-writable
+  one, sticky like ``/tmp`` or not, is refused: anyone could plant a library there whose
+  constructor runs in the process); made where missing with mode ``0700``. The default
+  directory, where an earlier version left it writable by its group under the user's
+  umask, is made ``0700``; a directory named by ``LINEAR_CE_CACHE_DIR`` is never changed;
+- beside each library, a record (JSON, ``native-rows-<key>.json``) holds the sha256 and
+  size of the file as built; the library is loaded only where both files are this
+  user's own, writable by no one else, and the file's bytes match the record, else it is
+  built again with a warning that says what was wrong (truncated, corrupted, writable by
+  others). A library without a record is built again;
+- a build is compiled into a private scratch directory, flushed to the disk, loaded from
+  there, then renamed into place before its record is written (each atomically), so a
+  crash or a full disk leaves no library a record vouches for;
+- the compiler runs in a process group of its own, killed whole (its children too) when
+  it has run ``LINEAR_CE_BUILD_TIMEOUT`` seconds (default 120; a build takes seconds).
+
+Every failure to build or to load (the compiler's, a refused directory, a library that
+lacks a symbol) is the warning of ``auto`` below, or the error of ``1``. Rows are split over ``torch.get_num_threads()`` threads: in an OpenMP region of the runtime torch's
 GEMMs run in (``-fopenmp``; its workers, still spinning after a GEMM, take the rows), else,
 where the compiler has no OpenMP, over a pool of Python threads (the library releases the
 GIL).
@@ -37,9 +56,11 @@ GIL).
 Environment (read on every call; a bad value is a ``ValueError`` naming it):
 
 - ``LINEAR_CE_NATIVE_ROWS``: ``0`` never (the torch operations); ``1`` always where the
-  chunk loop can (a build that fails is an error with the compiler's message); ``auto``
-  or unset: where the library builds (a failed build is a warning, once, and the torch
-  operations).
+  chunk loop can (a library that does not build or load is an error saying why: the
+  compiler's message, the refused directory, the missing symbol); ``auto`` or unset:
+  where the library builds and loads (else a warning, once, and the torch operations).
+- ``LINEAR_CE_BUILD_TIMEOUT``: the seconds the compiler may run (default 120).
+- ``LINEAR_CE_CACHE_DIR``: see :mod:`linear_ce.engine.machine`.
 
 Example::
 
@@ -50,13 +71,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import platform
 import shlex
+import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -69,6 +94,7 @@ from pathlib import Path
 import torch
 
 from linear_ce.engine.capability import cpu_flags
+from linear_ce.engine.environment import BUILD_TIMEOUT_ENV, cache_dir, default_cache_dir, read
 
 __all__ = ["NATIVE_ROWS_ENV", "NativeRows", "PairSums", "RowSums", "native_mode", "native_rows"]
 
@@ -98,13 +124,7 @@ _PAIR_ARGS += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p
 
 def native_mode() -> str:
     """``LINEAR_CE_NATIVE_ROWS``: ``"0"``, ``"1"`` or ``"auto"``."""
-    value = os.environ.get(NATIVE_ROWS_ENV, "auto").strip() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(
-            f"{NATIVE_ROWS_ENV} must be 0 (the torch operations), 1 (the compiled row "
-            f"loops, an error if they do not build) or auto; got {value!r}"
-        )
-    return value
+    return read(NATIVE_ROWS_ENV)
 
 
 @dataclasses.dataclass
@@ -438,26 +458,30 @@ def _split(rows: int, run, align: int = 1) -> None:
 
 
 class _Library:
-    """The compiled library, built once per process (see the module doc)."""
+    """The compiled library, built or loaded once per process (see the module doc)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.library: ctypes.CDLL | None = None
+        self.loops: dict[torch.dtype, NativeRows] = {}
         self.failure: str | None = None
         self.path: Path | None = None
 
     def get(self, required: bool) -> ctypes.CDLL | None:
         with self.lock:
             if self.library is None and self.failure is None:
+                timeout, folder = read(BUILD_TIMEOUT_ENV), cache_dir()
                 try:
-                    self.path = _build()
-                    self.library = ctypes.CDLL(str(self.path))
-                except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+                    path, library = _load(folder, timeout)
+                    # Every symbol looked up now: a library of another source fails here.
+                    self.loops = {dtype: NativeRows(library, dtype) for dtype in _SUFFIX}
+                    self.library, self.path = library, path
+                except (OSError, AttributeError, subprocess.SubprocessError, RuntimeError) as error:
                     self.failure = str(error)
                     if not required:
                         warnings.warn(
-                            f"linear_ce: the compiled row loops did not build, so half tiles "
-                            f"take the torch operations ({NATIVE_ROWS_ENV}=0 silences "
+                            f"linear_ce: the compiled row loops did not build or load, so "
+                            f"tiles take the torch operations ({NATIVE_ROWS_ENV}=0 silences "
                             f"this): {self.failure}",
                             RuntimeWarning,
                             stacklevel=4,
@@ -465,13 +489,12 @@ class _Library:
             if self.library is None and required:
                 raise RuntimeError(
                     f"linear_ce: {NATIVE_ROWS_ENV}=1 but the compiled row loops did not "
-                    f"build: {self.failure}"
+                    f"build or load: {self.failure}"
                 )
             return self.library
 
 
 _library = _Library()
-_loops: dict[tuple[ctypes.CDLL, torch.dtype], NativeRows] = {}
 
 
 def _compiler() -> list[str]:
@@ -482,62 +505,201 @@ def _flags() -> list[str]:
     return _FLAGS + (_X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
 
 
-def _build() -> Path:
-    """The library's path, compiled into the cache directory unless already there."""
+def _run_compiler(
+    command: list[str], timeout: float, cwd: Path | None = None
+) -> tuple[int, str, str]:
+    """``command``'s exit status, output and errors. It runs in a process group of its own,
+    killed whole (the compiler's own children too) once it has run ``timeout`` seconds."""
+    try:
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    except FileNotFoundError as error:
+        raise RuntimeError(f"no C compiler {command[0]!r} (set CC)") from error
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except BaseException as error:
+        _kill_group(process)
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise RuntimeError(
+                f"{command[0]} did not finish within {timeout:g} s, so it was stopped with its "
+                f"process group ({BUILD_TIMEOUT_ENV} sets the limit)"
+            ) from None
+        raise
+    return process.returncode, out, err
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    for pipe in (process.stdout, process.stderr):
+        pipe.close()
+
+
+def _not_private(path: Path, what: str) -> str | None:
+    """Why ``path`` (not followed if a link) could hold what another user wrote, or
+    ``None``: it must be this user's own, writable by no one else (``what``: directory or
+    file, which it must be)."""
+    info = os.lstat(path)
+    kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
+    if not kind(info.st_mode):
+        return f"{what} {path} is not a {what} of its own (a link or another kind)"
+    if info.st_uid != os.getuid():
+        return f"{what} {path} belongs to uid {info.st_uid}, not to this process's {os.getuid()}"
+    if info.st_mode & 0o022:
+        return (
+            f"{what} {path} is writable by its group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):#o}), who could plant a library there"
+        )
+    return None
+
+
+def _private_folder(folder: Path) -> None:
+    """``folder``, created ``0700`` where missing; a ``RuntimeError`` where it could hold what
+    another user wrote (:func:`_not_private`), the default folder excepted, which is made
+    private where it is this user's own."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    real = folder.resolve()
+    problem = _not_private(real, "directory")
+    if (
+        problem is not None
+        and folder == default_cache_dir()
+        and os.stat(real).st_uid == os.getuid()
+    ):
+        # Made by an earlier version under the user's umask: this user's own, so made private.
+        os.chmod(real, 0o700)
+        problem = _not_private(real, "directory")
+    if problem is not None:
+        raise RuntimeError(
+            f"the cache {problem}: the compiled row loops load only from a directory of this "
+            f"user's, writable by no one else (set {_CACHE_DIR_ENV} to one, mode 0700)"
+        )
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    """``path``'s sha256 (hex) and size; its bytes flushed to the disk."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(functools.partial(file.read, 1 << 20), b""):
+            sha.update(block)
+        os.fsync(file.fileno())
+        return sha.hexdigest(), file.tell()
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _unverified(path: Path) -> str | None:
+    """Why the cached library ``path``, which has a record (:func:`_record_path`: the sha256
+    and size of the library as built), may not be loaded, or ``None``: both must be this
+    user's own, writable by no one else, and agree."""
+    record = _record_path(path)
+    if not os.path.lexists(path):
+        return "the library its record vouches for is missing"
+    problem = _not_private(path, "file") or _not_private(record, "file")
+    if problem is not None:
+        return problem
+    try:
+        expected = json.loads(record.read_text())
+        wanted, size = expected["sha256"], expected["bytes"]
+    except (ValueError, TypeError, KeyError, RecursionError) as error:
+        return f"{record.name} is not a record of the library ({type(error).__name__}: {error})"
+    digest, found = _digest(path)
+    if found != size:
+        return f"it has {found} bytes, not the {size} built (truncated or overwritten)"
+    if digest != wanted:
+        return f"its sha256 {digest[:16]}… is not the {str(wanted)[:16]}… built (corrupted)"
+    return None
+
+
+def _load(folder: Path, timeout: float) -> tuple[Path, ctypes.CDLL]:
+    """The library's path and the library, loaded from ``folder`` where it is there and
+    verified (:func:`_unverified`), else built (a warning says why a cached one is not
+    taken)."""
     source = resources.files("linear_ce.engine").joinpath("native_rows.c").read_text()
     compiler = _compiler()
-    try:
-        version = subprocess.run(
-            [*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except FileNotFoundError as error:
-        raise RuntimeError(f"no C compiler {compiler[0]!r} (set CC)") from error
+    code, version, errors = _run_compiler([*compiler, "--version"], timeout)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(compiler)} --version failed: {errors.strip()[-2000:]}")
     choices = [" ".join(flags) for flags in _OPENMP_FLAGS]
     key = "\n".join([source, version, *compiler, *_flags(), *choices, *_LIBS, platform.machine()])
     key += "\n" + " ".join(sorted(cpu_flags()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = os.environ.get(_CACHE_DIR_ENV, "").strip()
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-        root = os.path.join(xdg or os.path.join(os.path.expanduser("~"), ".cache"), "linear_ce")
-    path = Path(root) / f"native-rows-{digest}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_folder(folder)
+    path = folder / f"native-rows-{digest}.so"
+    # Without a record the file is no build of this package's to check (one interrupted
+    # before its record, an earlier version's): built again, as where there is none.
+    if os.path.lexists(_record_path(path)):
+        problem = _unverified(path)
+        if problem is None:
+            return path, ctypes.CDLL(str(path))
+        warnings.warn(
+            f"linear_ce: not loading the cached row loops {path}: {problem}; building them again",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return path, _build(path, source, compiler, timeout)
+
+
+def _build(path: Path, source: str, compiler: list[str], timeout: float) -> ctypes.CDLL:
+    """The library compiled from ``source`` and loaded, then kept as ``path`` with its
+    record (:func:`_unverified`)."""
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        src = Path(scratch) / "native_rows.c"
-        src.write_text(source)
+        (Path(scratch) / "native_rows.c").write_text(source)
         built = Path(scratch) / path.name
         for openmp in _OPENMP_FLAGS:
-            result = subprocess.run(
-                [*compiler, *_flags(), *openmp, str(src), "-o", str(built), *_LIBS],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if result.returncode == 0:
+            command = [*compiler, *_flags(), *openmp, "native_rows.c", "-o", path.name, *_LIBS]
+            code, _, errors = _run_compiler(command, timeout, cwd=Path(scratch))
+            if code == 0:
                 break
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
-        # Atomic: another process building the same library reads a whole file or none.
+        if code != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {errors.strip()[-2000:]}")
+        os.chmod(built, 0o755)
+        sha, size = _digest(built)
+        # This process loads the file it built; the cache gets it whole: its bytes are on
+        # the disk before the rename, the rename before the record that vouches for it.
+        library = ctypes.CDLL(str(built))
         os.replace(built, path)
-    return path
+        _write_record(_record_path(path), {"sha256": sha, "bytes": size})
+    return library
+
+
+def _write_record(path: Path, record: dict) -> None:
+    """``record`` as JSON in ``path``, atomically: the whole file or the one before."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(record, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def native_rows(dtype: torch.dtype) -> NativeRows | None:
     """The row loops for ``dtype`` tiles, or ``None`` where ``LINEAR_CE_NATIVE_ROWS=0``, the
-    dtype has none, or (``auto``) the library does not build."""
+    dtype has none, or (``auto``) the library does not build or load."""
     mode = native_mode()
     if mode == "0" or dtype not in _SUFFIX:
         return None
-    library = _library.get(required=mode == "1")
-    if library is None:
+    if _library.get(required=mode == "1") is None:
         return None
-    # One per library and dtype: a call asks several times, each a few dozen microseconds.
-    key = (library, dtype)
-    if key not in _loops:
-        _loops[key] = NativeRows(library, dtype)
-    return _loops[key]
+    return _library.loops[dtype]
 
 
 def library_path() -> Path | None:

@@ -19,6 +19,7 @@ from linear_ce.engine.capability import (
     last_level_cache_bytes,
     native_half_gemm,
 )
+from linear_ce.engine.environment import check_all
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.engine.machine import (
     forced_stats_block,
@@ -425,6 +426,8 @@ def make_plan(
     ``BUDGET_SHARE`` of the gradients' bytes (``share`` does not apply), or the block
     ``LINEAR_CE_STATS_BLOCK`` forces.
     """
+    # Every LINEAR_CE_* variable is checked on every call, read by its path or not.
+    check_all()
     forced_block = forced_stats_block() if stats_pass else None
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype

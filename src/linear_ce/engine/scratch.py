@@ -41,6 +41,8 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from linear_ce.engine.environment import read
+
 __all__ = [
     "KEEP_SCRATCH_ENV",
     "MIN_KEPT_BYTES",
@@ -77,13 +79,7 @@ R = TypeVar("R")
 
 
 def _keeping() -> bool:
-    value = os.environ.get(KEEP_SCRATCH_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"{KEEP_SCRATCH_ENV} must be 1 (keep the loops' scratch between calls) or 0 "
-            f"(fresh scratch every call), got {value!r}"
-        )
-    return value == "1"
+    return read(KEEP_SCRATCH_ENV) == "1"
 
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

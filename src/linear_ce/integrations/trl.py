@@ -98,6 +98,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import threading
@@ -162,7 +163,8 @@ _FUSED_FORWARD_READS = ("_ChunkedLogProbFunction", "_use_triton", "maybe_gather_
 
 
 class UnsupportedTRLVersion(RuntimeError):
-    """The installed TRL is not the one :func:`patch` was written against."""
+    """The installed TRL is not the one :func:`patch` was written against, or another
+    library has replaced what :func:`patch` replaces (the message names what it found)."""
 
 
 def _gather_context(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -458,6 +460,34 @@ def _missing_attribute(swap: _Swap) -> str | None:
     return None
 
 
+def _another_patch(current: object) -> str | None:
+    """Who put ``current`` where TRL's own callable belongs, where that is neither TRL nor
+    linear_ce (another library's wrapper): its qualified name and the module that defines
+    it, read from its code (``functools.wraps`` copies the wrapped one's names); ``None``
+    for TRL's, linear_ce's or what is not callable."""
+    while isinstance(current, functools.partial):
+        current = current.func
+    if not callable(current):
+        return None
+    code = getattr(current, "__code__", None)
+    if isinstance(current, types.FunctionType) and code is not None:
+        module = current.__globals__.get("__name__", "?")
+        name = getattr(code, "co_qualname", code.co_name)
+    else:
+        kind = current if isinstance(current, type) else type(current)
+        module, name = kind.__module__, kind.__qualname__
+    if module.split(".")[0] in ("trl", "linear_ce"):
+        return None
+    where = f" in {code.co_filename}" if code is not None else ""
+    inner = getattr(current, "__wrapped__", None)
+    wraps = "" if inner is None else f" wrapping {_qualified(inner)}"
+    return f"{module}.{name}{where}{wraps}"
+
+
+def _qualified(thing: object) -> str:
+    return f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', '?')}"
+
+
 def _install(options: LinearCrossEntropyOptions | None) -> None:
     """TRL patched with ``options``: the replacements made (after checking every one)
     the first time, their options updated after that."""
@@ -466,17 +496,32 @@ def _install(options: LinearCrossEntropyOptions | None) -> None:
             replacement.options = options
         return
     version = _import_trl()
-    problems = []
+    problems, found = [], []
     for swap in _SWAPS:
-        problem = _missing_attribute(swap) or swap.check(getattr(*_owner(swap.module, swap.name)))
+        problem = _missing_attribute(swap)
+        if problem is None:
+            current = getattr(*_owner(swap.module, swap.name))
+            problem = swap.check(current)
+            other = None if problem is None else _another_patch(current)
+            if other is not None:
+                found.append(f"{swap.module}.{swap.name} is {other} ({problem})")
+                continue
         if problem is not None:
             problems.append(problem)
-    if problems:
-        raise UnsupportedTRLVersion(
-            f"linear_ce.integrations.trl supports trl{SUPPORTED_TRL}; the installed trl "
-            f"{version} differs: {'; '.join(problems)}. Install a supported TRL "
-            "(pip install 'linear-ce[trl]') or leave TRL unpatched."
-        )
+    if found or problems:
+        parts = []
+        if found:
+            parts.append(
+                f"another library has replaced what linear_ce.integrations.trl patches: "
+                f"{'; '.join(found)}. Undo that patch, or call patch() before it."
+            )
+        if problems:
+            parts.append(
+                f"linear_ce.integrations.trl supports trl{SUPPORTED_TRL}; the installed trl "
+                f"{version} differs: {'; '.join(problems)}. Install a supported TRL "
+                "(pip install 'linear-ce[trl]') or leave TRL unpatched."
+            )
+        raise UnsupportedTRLVersion(" ".join(parts))
     for swap in _SWAPS:
         owner, attribute = _owner(swap.module, swap.name)
         replacement = swap.make(options)
