@@ -2380,6 +2380,109 @@ _SCRATCH = (
     ),
 )
 
+_RESULTS_TESTS = ("tests/test_results.py", "-k", "committed")
+# The docs and the results store: the tables drawn from the store, the site's pages and the
+# docstrings' roles (scripts/results.py, scripts/mkdocs_hooks.py, scripts/griffe_roles.py).
+_DOCS = (
+    Mutation(
+        "docs",
+        "a bf16 step's ratio to the fp32 floor shown as its ratio to its own floor",
+        "scripts/results.py",
+        (('"bf16": _own(bf16, "linear_ce"),', '"bf16": bf16.get("linear_ce", {}).get("ratio"),'),),
+        _RESULTS_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "docs",
+        "a peer's paired ratio read the wrong way round",
+        "scripts/results.py",
+        (
+            (
+                "return statistics.median(t / r for t, r in zip(times, ref, strict=True))",
+                "return statistics.median(r / t for t, r in zip(times, ref, strict=True))",
+            ),
+        ),
+        _RESULTS_TESTS,
+    ),
+    Mutation(
+        "docs",
+        "a module among linear_ce.__all__ gets no pages for its names",
+        "scripts/mkdocs_hooks.py",
+        (("        if name in modules:", "        if False:"),),
+        ("tests/test_docs_site.py",),
+    ),
+    Mutation(
+        "docs",
+        "math roles left as Sphinx text",
+        "scripts/griffe_roles.py",
+        (('    text = _MATH.sub(lambda m: f"${m.group(1)}$", text)\n', ""),),
+        ("tests/test_docs_site.py",),
+    ),
+)
+
+_NATIVE_ROWS_FILE = "src/linear_ce/engine/native_rows.py"
+_CACHE_TESTS = ("tests/test_native_cache.py",)
+_ENV_TESTS = ("tests/test_environment.py",)
+_TRUST = (
+    Mutation(
+        "trust",
+        "a cached library loaded without comparing it with its record",
+        _NATIVE_ROWS_FILE,
+        (("    digest, found = _digest(path)\n", "    return None\n    digest, found = 0, 0\n"),),
+        (*_CACHE_TESTS, "-k", "damaged"),
+        quick=True,
+    ),
+    Mutation(
+        "trust",
+        "a cache directory or file others can write is trusted",
+        _NATIVE_ROWS_FILE,
+        (("    if info.st_mode & 0o022:\n", "    if False:\n"),),
+        (*_CACHE_TESTS, "-k", "others_can_write"),
+    ),
+    Mutation(
+        "trust",
+        "a library without the loops' symbols escapes the warning",
+        _NATIVE_ROWS_FILE,
+        (("except (OSError, AttributeError, subprocess.", "except (OSError, subprocess."),),
+        (*_CACHE_TESTS, "-k", "without_the_loops"),
+    ),
+    Mutation(
+        "trust",
+        "a compiler past its time is killed alone, its children left running",
+        _NATIVE_ROWS_FILE,
+        (("        os.killpg(process.pid, signal.SIGKILL)\n", "        process.kill()\n"),),
+        (*_CACHE_TESTS, "-k", "never_finishes"),
+    ),
+    Mutation(
+        "trust",
+        "a whole number read with str.isdigit ('²' reaches int())",
+        "src/linear_ce/engine/environment.py",
+        (("not set(text) <= _DIGITS", "not text.isdigit()"),),
+        (*_ENV_TESTS, "-k", "same_error"),
+    ),
+    Mutation(
+        "trust",
+        "the variables checked only on the calls that read them",
+        "src/linear_ce/engine/plan.py",
+        (("    check_all()\n", ""),),
+        (*_ENV_TESTS, "-k", "same_error"),
+    ),
+    Mutation(
+        "trust",
+        "a profile entry's length not checked",
+        _MACHINE,
+        (('and len(value) == _ENTRY_LENGTHS.get(key.split("/")[0])', "and value"),),
+        (*_ENV_TESTS, "-k", "profile"),
+    ),
+    Mutation(
+        "trust",
+        "TRL's refusal blames the version for another library's wrapper",
+        _TRL,
+        (("other = None if problem is None else _another_patch(current)", "other = None"),),
+        ("tests/test_trl_patched_by_another.py",),
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -2397,6 +2500,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_PAIR_LOOPS,
     *_STATS_PASS,
     *_SCRATCH,
+    *_DOCS,
 )
 
 
