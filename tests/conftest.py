@@ -9,6 +9,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
+# Triton's interpreter where no CUDA device is (tests/test_triton_rows.py runs the Triton
+# row kernels on CPU tensors): Triton reads TRITON_INTERPRET as its language is first
+# imported, which torch._dynamo does when linear_ce is, so it is set before any of that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch.distributed as dist
 
 

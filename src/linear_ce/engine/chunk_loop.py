@@ -79,7 +79,6 @@ from linear_ce.engine.accumulate import weight_grad_sum
 from linear_ce.engine.gemm import Gemm, NativeHalf
 from linear_ce.engine.head import Head, RowStats
 from linear_ce.engine.machine import forced_stats_block
-from linear_ce.engine.native_rows import NativeRows, native_rows
 from linear_ce.engine.plan import Plan, acc_dtype_for, make_plan
 from linear_ce.engine.row_chunks import RowChunk, chunk_size, gather_buffers, row_chunks, rows_of
 from linear_ce.engine.row_reductions import row_max as tile_row_max
@@ -87,6 +86,7 @@ from linear_ce.engine.row_reductions import row_sum
 from linear_ce.engine.scratch import keeps_scratch
 from linear_ce.engine.stats_pass import run_stats_pass
 from linear_ce.engine.transform import LogitTransform
+from linear_ce.engine.triton_rows import RowLoops, row_loops
 from linear_ce.engine.vocab import LocalVocab, Vocab
 from linear_ce.options import LinearCrossEntropyOptions
 
@@ -639,15 +639,15 @@ def _call_allows_loops(
     bias: torch.Tensor | None,
     companion: Companion | None,
 ) -> bool:
-    """Whether the compiled row loops' math (fp32, one local head, no bias, no softcap)
-    covers this call on a CPU."""
+    """Whether the row loops' math (fp32, one local head, no bias, no softcap) covers this
+    call: on a CPU the compiled loops, on CUDA the Triton kernels (:func:`row_loops`)."""
     return (
         acc == torch.float32
         and bias is None
         and companion is None
         and transform.softcap is None
         and isinstance(vocab, LocalVocab)
-        and input.device.type == "cpu"
+        and input.device.type in ("cpu", "cuda")
     )
 
 
@@ -672,7 +672,7 @@ def fp32_tile_loops(
     :func:`tiles_for`), for a head that allows them there (``native_fp32``)."""
     acc = acc_dtype_for(input.dtype, options.acc_dtype)
     return _call_allows_loops(input, acc, transform, vocab, bias, None) and (
-        native_rows(acc) is not None
+        row_loops(acc, input.device) is not None
     )
 
 
@@ -685,7 +685,7 @@ def _native_rows(
     bias: torch.Tensor | None,
     companion: Companion | None,
     half: bool,
-) -> NativeRows | None:
+) -> RowLoops | None:
     """The compiled row loops for this call's tile (a half tile in the input dtype, else an
     fp32 tile, for inputs of any dtype), or ``None`` where the head, the transform, a bias,
     a companion, a sharded vocabulary or a float64 accumulation needs the torch operations
@@ -703,11 +703,11 @@ def _native_rows(
         and _head_allows_loops(head, half)
     ):
         return None
-    return native_rows(input.dtype if half else acc)
+    return row_loops(input.dtype if half else acc, input.device)
 
 
 def _native_chunk(
-    native: NativeRows,
+    native: RowLoops,
     tile: torch.Tensor,
     head: Head,
     rows: RowChunk,
@@ -755,7 +755,7 @@ def _native_pair(
     bias: torch.Tensor | None,
     companion: Companion | None,
     gemm: Gemm,
-) -> NativeRows | None:
+) -> RowLoops | None:
     """The compiled pair loops (:meth:`NativeRows.pair_`) for a head that says so
     (``native_pair``) and its companion, where both heads' math is theirs (fp32, no bias, no
     softcap, one local shard) and both project in the same dtype and backend; on tiles in the
@@ -772,7 +772,7 @@ def _native_pair(
         or companion.gemm.operand_dtype != gemm.operand_dtype
     ):
         return None
-    return native_rows(pair_tile_dtype(gemm, acc))
+    return row_loops(pair_tile_dtype(gemm, acc), input.device)
 
 
 def pair_tile_dtype(gemm: Gemm, acc: torch.dtype) -> torch.dtype:
@@ -800,7 +800,7 @@ def _pair_logits(gemm: Gemm, out: torch.Tensor, x: torch.Tensor, weight: torch.T
 
 
 def _pair_chunk(
-    pair: NativeRows,
+    pair: RowLoops,
     tile: torch.Tensor,
     teacher: torch.Tensor,
     head: Head,

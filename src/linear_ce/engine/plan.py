@@ -31,6 +31,7 @@ from linear_ce.options import LinearCrossEntropyOptions, parse_chunking_method
 
 __all__ = [
     "BUDGET_SHARE",
+    "CUDA_FREE_MEMORY_SHARE",
     "DIRECT_SUM_MAX_CHUNKS",
     "DIVERGENCE_SHARE",
     "EXP_FLAG",
@@ -134,6 +135,14 @@ STATS_TILE_FALLBACK_BYTES = 16 << 20
 #: 1.49× at 4, 2.04× at 8 — the bound is 2×. It saves the split sum's ``V·F`` bytes (spent
 #: on longer chunks) and its unpack/add/pack pass per chunk.
 DIRECT_SUM_MAX_CHUNKS = 4
+#: On CUDA the chunk loop's tiles are sized from the GPU's memory, not a share of the
+#: gradients' bytes alone: under the default budget they may take this share of the
+#: device's free memory (``torch.cuda.mem_get_info`` when the call is planned) where that
+#: holds more rows. Each chunk's weight-gradient GEMM reads and writes the whole ``(V, F)``
+#: sum, so short chunks make it memory-bound (N=8192, D=4096, V=128256: the budget's
+#: ~544-row chunks are 16 such passes over a 2 GiB fp32 sum); a quarter of the free memory
+#: leaves the rest to the caller's activations.
+CUDA_FREE_MEMORY_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,6 +537,8 @@ def make_plan(
                 stretch,
             )
 
+        if device.type == "cuda" and memory_budget() is None:
+            share = max(share, _cuda_share(device, rows, in_features, num_classes, input_dtype))
         rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
         if weight_grad == "split":
             # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
@@ -546,7 +557,12 @@ def make_plan(
         if forced is not None:
             gemm = dataclasses.replace(gemm, class_major=forced)
     elif not half:
-        gemm = dataclasses.replace(gemm, class_major=tuning.class_major(rows_per_chunk))
+        # CUDA's tiles are row-major (each row's classes contiguous: the row kernels'
+        # coalesced reads, :mod:`linear_ce.engine.triton_rows`) unless a layout is forced.
+        forced = tuning.forced_class_major()
+        cuda_layout = False if forced is None else forced
+        class_major = cuda_layout if device.type == "cuda" else tuning.class_major(rows_per_chunk)
+        gemm = dataclasses.replace(gemm, class_major=class_major)
     return Plan(
         rows_per_chunk=rows_per_chunk,
         rows_per_step=rows_per_step,
@@ -559,3 +575,13 @@ def make_plan(
         policy=policy,
         exp2=exp2,
     )
+
+
+def _cuda_share(
+    device: torch.device, rows: int, in_features: int, num_classes: int, dtype: torch.dtype
+) -> float:
+    """``CUDA_FREE_MEMORY_SHARE`` of ``device``'s free memory as a share of the call's
+    gradients' bytes ``(rows + V)·F·itemsize`` (the unit of :func:`choose_chunk_rows`)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    grad_bytes = (rows + num_classes) * in_features * dtype.itemsize
+    return CUDA_FREE_MEMORY_SHARE * free / max(grad_bytes, 1)
