@@ -154,8 +154,10 @@ def headline(runs: list[dict]) -> str:
     """One row per CPU: its ``headline`` run at the default point."""
     lines = [
         f"N={SHAPE[0]}, D={SHAPE[1]}, V={SHAPE[2]}, torch CPU build, each CPU alone on a 2-core "
-        "machine; time as a multiple of the bare GEMMs' time in the same round (below 1: "
-        "faster than the GEMMs alone), memory as a multiple of the gradients' bytes.",
+        "machine. Time: a multiple of the same dtype's GEMMs alone, in the same round (below "
+        "1: faster than the bare GEMMs); × `plain-compile`: over `torch.compile` of the plain "
+        "expression, paired (below 1: faster); memory: the fp32 step's transient peak over "
+        "the gradients' bytes.",
         "",
         "| CPU | fp32 step | bf16 step | forward fp32, bf16 | step × `plain-compile` | memory × grads | run |",
         "|---|---:|---:|---:|---:|---:|---|",
