@@ -571,7 +571,7 @@ _SEQUENCE: tuple[Mutation, ...] = (
     Mutation(
         "sequence_objective",
         "IPO without length normalisation",
-        "src/linear_ce/objectives.py",
+        "src/linear_ce/objectives/sequence.py",
         (
             (
                 "            return (phi_c / len_c - phi_r / len_r - 1 / (2 * beta)) ** 2",
@@ -669,7 +669,7 @@ _TOKEN_LOGPROBS: tuple[Mutation, ...] = (
     ),
 )
 
-_OBJECTIVES = "src/linear_ce/objectives.py"
+_OBJECTIVES = "src/linear_ce/objectives/token.py"
 
 _TOKEN_OBJECTIVE: tuple[Mutation, ...] = (
     Mutation(
@@ -714,11 +714,11 @@ _TOKEN_OBJECTIVE: tuple[Mutation, ...] = (
             (
                 "        ratio = torch.exp(_log_ratio(logprob, old_logprob))\n"
                 "        clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)\n"
-                "        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
+                "        log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
                 "        capped",
                 "        ratio = torch.exp(_log_ratio(logprob, old_logprob))\n"
                 "        clipped = ratio.clamp(1.0 - clip_high, 1.0 + clip_low)\n"
-                "        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
+                "        log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)\n"
                 "        capped",
             ),
         ),

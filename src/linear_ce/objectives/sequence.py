@@ -1,34 +1,6 @@
-r"""Built-in objectives: token-local ones for :func:`linear_ce.token_objective`, sequence-level
-ones for :func:`linear_ce.sequence_objective`.
-
-**Token-local.** An objective is a callable ``objective(logprob, entropy, **side) -> loss``:
-1-D tensors of one chunk's valid tokens in, one loss per token out, written with
-ordinary torch operations (its autograd gives the gradients). ``entropy`` is
-``None`` unless ``token_objective(..., entropy=True)``; ``side`` holds the
-per-token side inputs passed to ``token_objective`` (e.g. ``old_logprob``,
-``advantage``, ``ref_logprob``, ``weight``), sliced the same way. Every built-in
-multiplies its loss by the side input ``weight`` when one is given: that is how
-token-mean or sequence-mean aggregation is expressed (see docs/per-token.md).
-Without ``old_logprob`` the policy losses are on-policy: the ratio
-:math:`r = e^{\log p - \operatorname{sg}(\log p)}` is 1 and its gradient is that of
-:math:`\log p` (``sg``: stop-gradient).
-
-Objectives add: ``clipped_policy_gradient() + kl_penalty(0.04) + entropy_bonus(0.01)``.
-
-**Sequence-level.** A :class:`SequenceObjective` takes a :class:`SequenceBatch` (each
-sequence's summed log-probability, its scored tokens, groups, side inputs) and returns one
-loss per group or per sequence; written so that ``reduction="mean"`` gives the loss the
-trainers (TRL) compute. Pair objectives (DPO, SimPO, CPO, ORPO) take groups of two
-sequences, chosen then rejected (``group="pairs"``). They add, and scale by a float:
-``0.8 * dpo(0.1) + 0.2 * dpo(0.1, "sft")`` is TRL's ``loss_weights``.
-:func:`token_mean` turns a token-local objective into a per-sequence one (GRPO's
-per-sequence token mean; a KL term next to GSPO).
-
-**Metrics.** Built-ins log what trainers log (clip fractions, mean ratio, KL, rewards)
-with :func:`log_metric`, from the same pass and without gradients:
-``sequence_objective`` returns them; around ``token_objective`` collect them with
-``with collect_metrics() as metrics: ...``.
-"""
+r"""Sequence-level objectives for :func:`linear_ce.sequence_objective`: ``fn(batch:
+SequenceBatch) -> loss``, one loss per group or per sequence (see
+:mod:`linear_ce.objectives`)."""
 
 from __future__ import annotations
 
@@ -38,227 +10,22 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from linear_ce.losses.sequence_objective import (
-    Metrics,
-    SequenceBatch,
-    collect_metrics,
-    log_metric,
-)
+from linear_ce.losses.sequence_objective import SequenceBatch, log_metric
+from linear_ce.objectives.checks import check_choice, check_float
+from linear_ce.objectives.token import Objective, log_clipping
 
 __all__ = [
-    "Metrics",
-    "Objective",
-    "SequenceBatch",
+    "DPO_LOSSES",
     "SequenceObjective",
-    "cispo",
-    "clipped_policy_gradient",
-    "collect_metrics",
     "cpo",
     "dpo",
-    "entropy_bonus",
     "gspo",
-    "kl_penalty",
     "kto",
-    "log_metric",
     "orpo",
-    "sapo",
     "simpo",
     "token_mean",
 ]
 
-
-class Objective:
-    """A named token-local objective; ``a + b`` is the objective whose loss is the sum.
-
-    ``needs_entropy`` says whether it reads ``entropy`` (``token_objective`` then
-    requires ``entropy=True``); ``side`` names the side inputs it needs.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., torch.Tensor],
-        name: str,
-        *,
-        needs_entropy: bool = False,
-        side: tuple[str, ...] = (),
-    ) -> None:
-        self.fn, self.name, self.needs_entropy, self.side = fn, name, needs_entropy, side
-
-    def __call__(self, logprob, entropy, **side) -> torch.Tensor:
-        missing = [k for k in self.side if k not in side]
-        if missing:
-            raise ValueError(
-                f"objective {self.name} needs the side input(s) {missing}; pass them as "
-                "keyword arguments (per token: the target's shape)"
-            )
-        if self.needs_entropy and entropy is None:
-            raise ValueError(f"objective {self.name} reads the entropy; pass entropy=True")
-        return self.fn(logprob, entropy, **side)
-
-    def __add__(self, other: Objective) -> Objective:
-        if not isinstance(other, Objective):
-            return NotImplemented
-        return Objective(
-            lambda lp, ent, **side: self(lp, ent, **side) + other(lp, ent, **side),
-            f"{self.name} + {other.name}",
-            needs_entropy=self.needs_entropy or other.needs_entropy,
-            side=tuple(dict.fromkeys(self.side + other.side)),
-        )
-
-    def __repr__(self) -> str:
-        return f"Objective({self.name})"
-
-
-def _weighted(loss: torch.Tensor, side: dict) -> torch.Tensor:
-    weight = side.get("weight")
-    return loss if weight is None else loss * weight
-
-
-def _check_float(owner: str, name: str, value: object, *, low: float | None = None) -> None:
-    """``value`` is a real number (not a bool), at least ``low`` when given."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{owner}: {name} must be a float, got {value!r}")
-    if low is not None and not value >= low:
-        raise ValueError(f"{owner}: {name} must be a float >= {low}, got {value!r}")
-
-
-def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
-
-
-def _log_ratio(logprob: torch.Tensor, old_logprob: torch.Tensor | None) -> torch.Tensor:
-    r""":math:`\log p - \log p_{old}`; on-policy (``None``): :math:`\log p - sg(\log p)`,
-    zero with the gradient of :math:`\log p`."""
-    return logprob - (logprob.detach() if old_logprob is None else old_logprob)
-
-
-def _log_clipping(ratio, advantage, low: float, high: float, weight=None) -> None:
-    """TRL's clip fractions: below ``low`` with a negative advantage, above ``high`` with a
-    positive one, either; and the mean ratio."""
-    below = ((ratio < low) & (advantage < 0)).to(ratio.dtype)
-    above = ((ratio > high) & (advantage > 0)).to(ratio.dtype)
-    log_metric("clip_fraction/low", below, weight)
-    log_metric("clip_fraction/high", above, weight)
-    log_metric("clip_fraction", below + above, weight)
-    log_metric("ratio", ratio, weight)
-
-
-def clipped_policy_gradient(
-    clip_low: float = 0.2, clip_high: float = 0.2, *, delta: float | None = None
-) -> Objective:
-    r"""The PPO/GRPO/DAPO clipped surrogate,
-    :math:`-\min\big(\min(r, \delta) A,\ \mathrm{clip}(r, 1-\varepsilon_{low}, 1+\varepsilon_{high}) A\big)`
-    with :math:`r = \exp(\log p - \log p_{old})` (PPO, Schulman et al. 2017; DAPO's
-    asymmetric :math:`\varepsilon`, Yu et al. 2025). ``delta``: the two-sided clip of
-    INTELLECT-2 (the unclipped ratio capped at :math:`\delta`; ``None``: no cap). Side
-    inputs: ``advantage``, ``old_logprob`` (optional: on-policy without it) and optionally
-    ``weight``. Logs ``clip_fraction``, ``clip_fraction/low``, ``clip_fraction/high`` and
-    ``ratio``."""
-    owner = "clipped_policy_gradient"
-    _check_float(owner, "clip_low", clip_low, low=0.0)
-    _check_float(owner, "clip_high", clip_high, low=0.0)
-    if delta is not None:
-        _check_float(owner, "delta", delta, low=1.0 + clip_high)
-
-    def fn(logprob, entropy, *, advantage, old_logprob=None, **side):
-        ratio = torch.exp(_log_ratio(logprob, old_logprob))
-        clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)
-        capped = ratio if delta is None else ratio.clamp(max=delta)
-        return _weighted(-torch.min(capped * advantage, clipped * advantage), side)
-
-    suffix = "" if delta is None else f", delta={delta}"
-    return Objective(fn, f"{owner}({clip_low}, {clip_high}{suffix})", side=("advantage",))
-
-
-def cispo(max_ratio: float = 5.0) -> Objective:
-    r"""CISPO (MiniMax-M1, 2025; ScaleRL's :math:`\varepsilon_{max}`):
-    :math:`-\operatorname{sg}\big(\min(r, \varepsilon_{max})\big)\, A \log p`: the clipped
-    ratio only weights the policy gradient, so every token keeps a gradient. As TRL's
-    ``loss_type="cispo"`` (``epsilon_high`` is ``max_ratio``). Side inputs: ``advantage``,
-    ``old_logprob`` (optional: on-policy) and optionally ``weight``. Logs
-    ``clip_fraction`` (ratio above ``max_ratio`` with a positive advantage) and ``ratio``."""
-    _check_float("cispo", "max_ratio", max_ratio, low=0.0)
-
-    def fn(logprob, entropy, *, advantage, old_logprob=None, **side):
-        ratio = torch.exp(_log_ratio(logprob, old_logprob)).detach()
-        log_metric("clip_fraction", ((ratio > max_ratio) & (advantage > 0)).to(ratio.dtype))
-        log_metric("ratio", ratio)
-        return _weighted(-ratio.clamp(max=max_ratio) * advantage * logprob, side)
-
-    return Objective(fn, f"cispo({max_ratio})", side=("advantage",))
-
-
-def sapo(temperature_pos: float = 1.0, temperature_neg: float = 1.05) -> Objective:
-    r"""SAPO (Soft Adaptive Policy Optimization, Gao et al. 2025): a smooth gate instead of
-    the hard clip, :math:`-\frac{4}{\tau}\sigma\big(\tau (r - 1)\big) A` with
-    :math:`\tau = \tau_{pos}` where :math:`A > 0`, else :math:`\tau_{neg}` (TRL's
-    ``loss_type="sapo"``; its gradient is :math:`r A` times
-    :math:`4\sigma(1-\sigma)`, 1 at :math:`r = 1`). Side inputs: ``advantage``,
-    ``old_logprob`` (optional: on-policy) and optionally ``weight``. Logs ``ratio``."""
-    _check_float("sapo", "temperature_pos", temperature_pos, low=0.0)
-    _check_float("sapo", "temperature_neg", temperature_neg, low=0.0)
-    if temperature_pos == 0 or temperature_neg == 0:
-        raise ValueError("sapo: the temperatures must be > 0")
-
-    def fn(logprob, entropy, *, advantage, old_logprob=None, **side):
-        ratio = torch.exp(_log_ratio(logprob, old_logprob))
-        log_metric("ratio", ratio)
-        tau = torch.where(advantage > 0, temperature_pos, temperature_neg).to(ratio.dtype)
-        return _weighted(-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantage, side)
-
-    return Objective(fn, f"sapo({temperature_pos}, {temperature_neg})", side=("advantage",))
-
-
-_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def kl_penalty(coef: float, estimator: str = "k3", *, bias_correction: bool = False) -> Objective:
-    r"""``coef`` times an estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{ref})` per token from
-    :math:`\delta = \log p_{ref} - \log p`: ``"k1"`` :math:`-\delta`, ``"k2"``
-    :math:`\delta^2/2`, ``"k3"`` :math:`e^{\delta} - \delta - 1` (Schulman, "Approximating KL
-    divergence", 2020). ``bias_correction``: the estimate times the importance ratio
-    :math:`r = \exp(\log p - \log p_{old})`, with its gradient (DeepSeek-V3.2; TRL's
-    ``use_bias_correction_kl``), which makes the gradient the unbiased reverse-KL one for
-    samples of :math:`\pi_{old}`; on-policy (no ``old_logprob``) :math:`r = 1` and its gradient
-    still counts. Side input: ``ref_logprob`` (``old_logprob`` with ``bias_correction``;
-    optionally ``weight``). Logs ``kl`` (the estimate, corrected, before ``coef``)."""
-    _check_choice("kl_penalty", "estimator", estimator, _ESTIMATORS)
-    _check_float("kl_penalty", "coef", coef)
-    if not isinstance(bias_correction, bool):
-        raise ValueError(f"kl_penalty: bias_correction must be a bool, got {bias_correction!r}")
-
-    def fn(logprob, entropy, *, ref_logprob, old_logprob=None, **side):
-        delta = ref_logprob - logprob
-        if estimator == "k1":
-            kl = -delta
-        elif estimator == "k2":
-            kl = 0.5 * delta.square()
-        else:
-            kl = torch.expm1(delta) - delta
-        if bias_correction:
-            kl = kl * torch.exp(_log_ratio(logprob, old_logprob))
-        log_metric("kl", kl)
-        return _weighted(coef * kl, side)
-
-    suffix = ", bias_correction=True" if bias_correction else ""
-    return Objective(fn, f"kl_penalty({coef}, {estimator!r}{suffix})", side=("ref_logprob",))
-
-
-def entropy_bonus(coef: float) -> Objective:
-    r"""``-coef · H`` per token: maximises the entropy. Side input: optionally ``weight``.
-    Logs ``entropy``."""
-    _check_float("entropy_bonus", "coef", coef)
-
-    def fn(logprob, entropy, **side):
-        log_metric("entropy", entropy)
-        return _weighted(-coef * entropy, side)
-
-    return Objective(fn, f"entropy_bonus({coef})", needs_entropy=True)
-
-
-# Sequence-level objectives.
 
 _PER = ("group", "sequence")
 
@@ -284,7 +51,7 @@ class SequenceObjective:
         token_side: tuple[str, ...] = (),
         needs_entropy: bool = False,
     ) -> None:
-        _check_choice(name, "per", per, _PER)
+        check_choice(name, "per", per, _PER)
         self.fn, self.name, self.per, self.group_size = fn, name, per, group_size
         self.side, self.token_side, self.needs_entropy = side, token_side, needs_entropy
 
@@ -328,7 +95,7 @@ class SequenceObjective:
         )
 
     def __mul__(self, weight: float) -> SequenceObjective:
-        _check_float(self.name, "the weight", weight)
+        check_float(self.name, "the weight", weight)
         return SequenceObjective(
             lambda batch: weight * self(batch),
             f"{weight} * {self.name}",
@@ -457,12 +224,12 @@ def dpo(
             f"dpo: loss_type {loss_type!r} sorts the log-ratios across the whole batch, so "
             "it is not a loss of each pair; compute it from token_logprobs instead"
         )
-    _check_choice(owner, "loss_type", loss_type, DPO_LOSSES)
-    _check_choice(owner, "f_divergence", f_divergence, _F_DIVERGENCES)
-    _check_float(owner, "beta", beta)
-    _check_float(owner, "label_smoothing", label_smoothing, low=0.0)
-    _check_float(owner, "f_alpha", f_alpha)
-    _check_float(owner, "discopop_tau", discopop_tau)
+    check_choice(owner, "loss_type", loss_type, DPO_LOSSES)
+    check_choice(owner, "f_divergence", f_divergence, _F_DIVERGENCES)
+    check_float(owner, "beta", beta)
+    check_float(owner, "label_smoothing", label_smoothing, low=0.0)
+    check_float(owner, "f_alpha", f_alpha)
+    check_float(owner, "discopop_tau", discopop_tau)
     if beta <= 0:
         raise ValueError(f"dpo: beta must be > 0, got {beta!r}")
     if f_divergence != "reverse_kl" and loss_type not in _F_DIVERGENCE_LOSSES:
@@ -551,9 +318,9 @@ def simpo(
     :math:`z = \beta\,(L_c/|c| - L_r/|r|) - \gamma` (TRL's ``CPOTrainer`` with
     ``loss_type="simpo"``, ``cpo_alpha=0``; its ``simpo_gamma`` is :math:`\gamma`). One loss
     per pair (chosen, rejected). Logs the rewards :math:`\beta L/|y|` as :func:`dpo`."""
-    _check_float("simpo", "beta", beta)
-    _check_float("simpo", "gamma", gamma)
-    _check_float("simpo", "label_smoothing", label_smoothing, low=0.0)
+    check_float("simpo", "beta", beta)
+    check_float("simpo", "gamma", gamma)
+    check_float("simpo", "label_smoothing", label_smoothing, low=0.0)
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         avg_c, avg_r = batch.pair(batch.logprob / batch.length)
@@ -591,16 +358,16 @@ def cpo(
     per pair (chosen, rejected); the mean over pairs is TRL's loss. Logs the rewards
     :math:`\beta \ell` as :func:`dpo` and ``nll_loss``."""
     owner = "cpo"
-    _check_choice(owner, "loss_type", loss_type, _CPO_LOSSES)
-    _check_choice(owner, "nll", nll, _NLL)
+    check_choice(owner, "loss_type", loss_type, _CPO_LOSSES)
+    check_choice(owner, "nll", nll, _NLL)
     for key, value in (
         ("beta", beta),
         ("cpo_alpha", cpo_alpha),
         ("simpo_gamma", simpo_gamma),
         ("alpha", alpha),
     ):
-        _check_float(owner, key, value)
-    _check_float(owner, "label_smoothing", label_smoothing, low=0.0)
+        check_float(owner, key, value)
+    check_float(owner, "label_smoothing", label_smoothing, low=0.0)
     average = loss_type in ("ipo", "simpo")
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
@@ -637,8 +404,8 @@ def orpo(beta: float = 0.1, *, nll: str = "batch") -> SequenceObjective:
     TRL's token mean over every chosen token of the call). One loss per pair (chosen,
     rejected). Logs the rewards :math:`\beta a` as :func:`dpo`, ``log_odds_ratio``
     (:math:`\log\sigma(\lambda)`), ``log_odds_chosen`` (:math:`\lambda`) and ``nll_loss``."""
-    _check_float("orpo", "beta", beta)
-    _check_choice("orpo", "nll", nll, _NLL)
+    check_float("orpo", "beta", beta)
+    check_choice("orpo", "nll", nll, _NLL)
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         lp_c, lp_r = batch.pair(batch.logprob)
@@ -682,13 +449,13 @@ def kto(
     sequence). One loss per sequence: their mean is TRL's loss. Logs ``rewards/chosen`` and
     ``rewards/rejected`` (:math:`\beta\rho` of each kind) and ``kl``."""
     owner = "kto"
-    _check_choice(owner, "loss_type", loss_type, _KTO_LOSSES)
+    check_choice(owner, "loss_type", loss_type, _KTO_LOSSES)
     for key, value in (
         ("beta", beta),
         ("desirable_weight", desirable_weight),
         ("undesirable_weight", undesirable_weight),
     ):
-        _check_float(owner, key, value)
+        check_float(owner, key, value)
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         rho = batch.logprob - batch.side["ref_logprob"]
@@ -724,10 +491,10 @@ def gspo(
     sequence: their mean is TRL's ``loss_type="grpo"`` loss. Logs the clip fractions and
     ``ratio`` as :func:`clipped_policy_gradient`, per sequence."""
     owner = "gspo"
-    _check_float(owner, "clip_low", clip_low, low=0.0)
-    _check_float(owner, "clip_high", clip_high, low=0.0)
+    check_float(owner, "clip_low", clip_low, low=0.0)
+    check_float(owner, "clip_high", clip_high, low=0.0)
     if delta is not None:
-        _check_float(owner, "delta", delta, low=1.0 + clip_high)
+        check_float(owner, "delta", delta, low=1.0 + clip_high)
 
     def fn(batch: SequenceBatch) -> torch.Tensor:
         if "old_logprob" in batch.side:
@@ -738,7 +505,7 @@ def gspo(
             old = batch.logprob.detach()
         ratio = torch.exp((batch.logprob - old) / batch.length)
         advantage = batch.side["advantage"]
-        _log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)
+        log_clipping(ratio, advantage, 1.0 - clip_low, 1.0 + clip_high)
         clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
         capped = ratio if delta is None else ratio.clamp(max=delta)
         return -torch.min(capped * advantage, clipped * advantage)
