@@ -135,13 +135,12 @@ STATS_TILE_FALLBACK_BYTES = 16 << 20
 #: 1.49× at 4, 2.04× at 8 — the bound is 2×. It saves the split sum's ``V·F`` bytes (spent
 #: on longer chunks) and its unpack/add/pack pass per chunk.
 DIRECT_SUM_MAX_CHUNKS = 4
-#: On CUDA the chunk loop's tiles are sized from the GPU's memory, not a share of the
-#: gradients' bytes alone: under the default budget they may take this share of the
-#: device's free memory (``torch.cuda.mem_get_info`` when the call is planned) where that
-#: holds more rows. Each chunk's weight-gradient GEMM reads and writes the whole ``(V, F)``
-#: sum, so short chunks make it memory-bound (N=8192, D=4096, V=128256: the budget's
-#: ~544-row chunks are 16 such passes over a 2 GiB fp32 sum); a quarter of the free memory
-#: leaves the rest to the caller's activations.
+#: On CUDA the chunk loop's tiles are sized from the GPU's memory (not a CPU's cache or
+#: measurement): the budget's share of the gradients' bytes, and never more than this share
+#: of the device's free memory (``torch.cuda.mem_get_info`` when the call is planned), so
+#: that a call made with little memory left takes shorter chunks instead of failing.
+#: Longer chunks trade memory for fewer passes of the weight-gradient GEMM over the whole
+#: ``(V, F)`` sum (``LINEAR_CE_MEMORY_BUDGET`` sets the share; docs/gpu.md).
 CUDA_FREE_MEMORY_SHARE = 0.25
 
 
@@ -537,8 +536,8 @@ def make_plan(
                 stretch,
             )
 
-        if device.type == "cuda" and memory_budget() is None:
-            share = max(share, _cuda_share(device, rows, in_features, num_classes, input_dtype))
+        if device.type == "cuda":
+            share = min(share, _cuda_share(device, rows, in_features, num_classes, input_dtype))
         rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
         if weight_grad == "split":
             # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
