@@ -43,3 +43,26 @@ def test_gpu_check_needs_a_folder():
         timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "usage: scripts/gpu_check.sh OUT" in done.stderr
+
+
+def test_cuda_plan_from_the_gpu_memory(monkeypatch):
+    """The CUDA plan (no GPU needed to plan): the budget's chunks where the GPU's free
+    memory holds them, fewer rows where a quarter of it does not (its tiles within that
+    quarter), and row-major tiles (the row kernels' coalesced layout)."""
+    import torch
+
+    from linear_ce import LinearCrossEntropyOptions
+    from linear_ce.engine import plan
+
+    cuda, options = torch.device("cuda"), LinearCrossEntropyOptions(acc_policy="balanced")
+    shape = (8192, 4096, 128256, torch.bfloat16, cuda, options)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    roomy = plan.make_plan(*shape)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (256 << 20, 80 << 30))
+    tight = plan.make_plan(*shape)
+    tile_row = 128256 * 4
+    # The budget: a quarter of the gradients' bytes in fp32 tiles, evened over 16 chunks.
+    assert roomy.rows_per_chunk == 512
+    assert tight.rows_per_chunk * tile_row <= plan.CUDA_FREE_MEMORY_SHARE * (256 << 20)
+    assert tight.rows_per_chunk == plan.MIN_EFFICIENT_ROWS
+    assert not roomy.gemm.class_major and not tight.gemm.class_major
