@@ -82,13 +82,7 @@ def _result(
 @accepts_dtensors(
     rows=("student_input", "teacher_input", "target"),
     heads=("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
-    vocab_parallel=(
-        "both heads (and biases) split alike, the student's and the teacher's shards "
-        "(V_r, F_s) and (V_r, F_t); per chunk of valid rows two all_reduce MAX (each "
-        "head's row max) and one all_reduce SUM of the row sums, one more SUM for 0 < beta "
-        '< 1 (the mixture\'s sums need both normalisers); "none" repeats them in backward; '
-        "one all_reduce of the input gradient."
-    ),
+    vocab_parallel=True,
     mean=_counted_positions,
 )
 def linear_divergence(
@@ -159,6 +153,14 @@ def linear_divergence(
             each position (the target's shape, zero where ignored, detached), from the
             same pass (what distillation trainers log).
         options: :class:`linear_ce.LinearCrossEntropyOptions` (chunking, accumulation).
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: both heads (and
+            biases) split alike, the student's and the teacher's shards (V_r, F_s) and (V_r,
+            F_t); per chunk of valid rows two all_reduce MAX (each head's row max) and one
+            all_reduce SUM of the row sums, one more SUM for 0 < beta < 1 (the mixture's
+            sums need both normalisers); "none" repeats them in backward; one all_reduce of
+            the input gradient.
 
     Returns:
         The loss in the accumulation dtype (float32 for float16/bfloat16 students);

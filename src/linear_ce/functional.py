@@ -91,13 +91,7 @@ def _result(
     rows=("input", "target", "token_weight"),
     heads=("linear_weight", "linear_bias"),
     whole=("weight",),
-    vocab_parallel=(
-        "per chunk of valid rows and output position, one all_reduce MAX of the row "
-        "maxima and one all_reduce SUM of the row sums; one all_reduce of the input "
-        'gradient when input requires grad ("mean"/"sum": all in forward, backward '
-        'communicates nothing; "none": backward recomputes the chunks and repeats them); '
-        "one all_gather of the shard sizes when vocab_parallel does not place the shard."
-    ),
+    vocab_parallel=True,
     mean=_weight_total,
 )
 def linear_cross_entropy(
@@ -176,6 +170,14 @@ def linear_cross_entropy(
             it is the accumulation dtype (fp32 for half inputs), as autocast's
             ``cross_entropy``; or the accumulation dtype explicitly (the loss is computed
             there, so a bf16 run can log it unrounded). Gradients keep the parameters' dtypes.
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: per chunk of
+            valid rows and output position, one all_reduce MAX of the row maxima and one
+            all_reduce SUM of the row sums; one all_reduce of the input gradient when input
+            requires grad ("mean"/"sum": all in forward, backward communicates nothing;
+            "none": backward recomputes the chunks and repeats them); one all_gather of the
+            shard sizes when vocab_parallel does not place the shard.
 
     Rows whose target is ``ignore_index`` cost nothing: they take part in no GEMM;
     their ``"none"`` loss, lse and gradient are exactly zero.

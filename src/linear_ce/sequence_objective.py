@@ -152,13 +152,7 @@ def _losses_on_rank(arguments: Mapping[str, Any], num_classes: int | None) -> to
     rows=("input", "target", "group"),
     heads=("linear_weight", "linear_bias"),
     per_token_keywords=True,
-    vocab_parallel=(
-        "as token_logprobs' (two all_reduce per chunk of whole groups, the entropy's sum "
-        "riding in the SUM one), so every rank evaluates objective on the same "
-        "log-probabilities and gets the same loss, logprob_sum and metrics, on the fused "
-        "path or the four-GEMM fallback alike; the gradients are computed in forward, one "
-        "all_reduce sums the input gradient, and backward communicates nothing."
-    ),
+    vocab_parallel=True,
     mean=_losses_on_rank,
     whole_sequences=("sequence", "cu_seqlens"),
 )
@@ -227,6 +221,14 @@ def sequence_objective(
         **side_inputs: per-sequence (``(S,)``, ``(S, 1)`` or a scalar) or per-token (the
             target's shape) floating or bool tensors without grad, e.g. ``ref_logprob=``,
             ``advantage=``, ``label=``, ``old_logprob=``.
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: as
+            token_logprobs' (two all_reduce per chunk of whole groups, the entropy's sum
+            riding in the SUM one), so every rank evaluates objective on the same
+            log-probabilities and gets the same loss, logprob_sum and metrics, on the fused
+            path or the four-GEMM fallback alike; the gradients are computed in forward, one
+            all_reduce sums the input gradient, and backward communicates nothing.
 
     Returns:
         :class:`SequenceObjectiveOutput` ``(loss, logprob_sum, num_tokens, metrics)``.

@@ -175,13 +175,7 @@ def _counted_positions(arguments: Mapping[str, Any], num_classes: int | None) ->
 @accepts_dtensors(
     rows=("input", "target_ids", "target_logprobs", "target"),
     heads=("linear_weight", "linear_bias"),
-    vocab_parallel=(
-        "the teacher's support is split across the shards (each rank reads the slots whose "
-        "ids lie in its slice); per chunk of valid rows one all_reduce MAX (the row max), one "
-        "all_reduce SUM of the row sums (the normaliser, the student's mass outside the "
-        "support where it is needed) and one more SUM of the slots' sums, which need the "
-        'normaliser; "none" repeats them in backward; one all_reduce of the input gradient.'
-    ),
+    vocab_parallel=True,
     mean=_counted_positions,
 )
 def sparse_divergence(
@@ -269,6 +263,15 @@ def sparse_divergence(
             (``target``'s shape, zero where ignored).
         hard_weight: ``>= 0``; ``> 0`` needs ``target``.
         options: :class:`linear_ce.LinearCrossEntropyOptions` (chunking, accumulation).
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: the teacher's
+            support is split across the shards (each rank reads the slots whose ids lie in
+            its slice); per chunk of valid rows one all_reduce MAX (the row max), one
+            all_reduce SUM of the row sums (the normaliser, the student's mass outside the
+            support where it is needed) and one more SUM of the slots' sums, which need the
+            normaliser; "none" repeats them in backward; one all_reduce of the input
+            gradient.
 
     Returns:
         The loss in the accumulation dtype (float32 for float16/bfloat16 inputs).

@@ -130,14 +130,7 @@ def _with_stats(
 @accepts_dtensors(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
-    vocab_parallel=(
-        "per chunk of valid rows, one all_reduce MAX of the row maxima and one all_reduce "
-        "SUM of the row sums (the entropy's, top-1's, log_sum_sq_prob's and mean_logit's "
-        "ride in it); backward uses the forward's row statistics and needs one all_reduce, "
-        "of the input gradient. With topk=k each rank keeps its shard's k largest per token "
-        "and, after the loop, one all_gather of the (N, k) values and one of their ids merge "
-        "them exactly (equal values ordered by id)."
-    ),
+    vocab_parallel=True,
 )
 def token_logprobs(
     input: torch.Tensor,
@@ -219,6 +212,15 @@ def token_logprobs(
             log-probabilities of each token and their ids, each ``(*target.shape, k)``
             (not differentiable).
         options: :class:`LinearCrossEntropyOptions` (chunking, precision).
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: per chunk of
+            valid rows, one all_reduce MAX of the row maxima and one all_reduce SUM of the
+            row sums (the entropy's, top-1's, log_sum_sq_prob's and mean_logit's ride in
+            it); backward uses the forward's row statistics and needs one all_reduce, of the
+            input gradient. With topk=k each rank keeps its shard's k largest per token and,
+            after the loop, one all_gather of the (N, k) values and one of their ids merge
+            them exactly (equal values ordered by id).
 
     Returns:
         :class:`TokenLogprobs` ``(logprob, entropy, top1, log_sum_sq_prob, mean_logit,

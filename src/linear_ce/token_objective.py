@@ -57,12 +57,7 @@ def _checked_side_inputs(
     rows=("input", "target"),
     heads=("linear_weight", "linear_bias"),
     per_token_keywords=True,
-    vocab_parallel=(
-        "as token_logprobs' (two all_reduce per chunk of valid rows, the entropy's sum "
-        "riding in the SUM one), so every rank evaluates objective on the same "
-        "log-probabilities; the gradients are computed in forward, one all_reduce sums the "
-        "input gradient, and backward communicates nothing."
-    ),
+    vocab_parallel=True,
 )
 def token_objective(
     input: torch.Tensor,
@@ -108,6 +103,13 @@ def token_objective(
         **token_tensors: per-token side inputs of the target's shape (floating, no grad),
             e.g. ``old_logprob=``, ``advantage=``, ``ref_logprob=``, ``weight=``; aligned
             with the outputs of ``token_logprobs`` (position ``t`` with ``shift``).
+        vocab_parallel: ``None`` for a whole head, or a :class:`~linear_ce.VocabParallel`:
+            the head given is this rank's shard of one split along the vocabulary (what that
+            means, the same for every family, is said there). Collectives: as
+            token_logprobs' (two all_reduce per chunk of valid rows, the entropy's sum
+            riding in the SUM one), so every rank evaluates objective on the same
+            log-probabilities; the gradients are computed in forward, one all_reduce sums
+            the input gradient, and backward communicates nothing.
 
     Under ``torch.compile`` the call is a graph break (a Python callable cannot be an
     argument of a custom op); the rest of the step compiles around it.

@@ -30,10 +30,10 @@ as DTensor's own ``linear`` gives). A plain head with a split input gets that pa
 as a plain tensor (what a data-parallel wrapper reduces).
 
 The hook: a public function is decorated once, naming the roles of its arguments (here
-the per-token ones, the head's, and the collectives of its ``vocab_parallel`` argument)::
+the per-token ones, the head's, and that it takes a ``vocab_parallel`` argument)::
 
     @accepts_dtensors(rows=("input", "target"), heads=("linear_weight", "linear_bias"),
-                      vocab_parallel="two all_reduce per chunk ...")
+                      vocab_parallel=True)
     def token_logprobs(input, linear_weight, target, *, linear_bias=None, ...,
                        vocab_parallel=None): ...
 
@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import textwrap
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -58,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from linear_ce.checks.call import DEFAULT_IGNORE_INDEX, shifted_target
-from linear_ce.parallel.shard import VOCAB_PARALLEL_DOC, VocabParallel
+from linear_ce.parallel.shard import VocabParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -107,7 +106,7 @@ def accepts_dtensors(
     heads: tuple[str, ...],
     whole: tuple[str, ...] = (),
     per_token_keywords: bool = False,
-    vocab_parallel: str | None = None,
+    vocab_parallel: bool = False,
     mean: MeanDenominator | None = None,
     whole_sequences: tuple[str, ...] | None = None,
 ) -> Callable[[FunctionT], FunctionT]:
@@ -119,10 +118,8 @@ def accepts_dtensors(
         whole: names of the arguments every rank needs whole (class weights).
         per_token_keywords: the function's ``**kwargs`` are per-token tensors too.
         vocab_parallel: the function takes a head split along the vocabulary through its
-            ``vocab_parallel`` argument (a :class:`~linear_ce.parallel.shard.VocabParallel`),
-            and this sentence says its collectives: it is inserted into the function's
-            ``Args`` with the ``vocab_parallel`` entry every family shares. ``None``: such
-            a head is an error.
+            ``vocab_parallel`` argument (a :class:`~linear_ce.parallel.shard.VocabParallel`);
+            ``False``: such a head is an error.
         mean: the local denominator of ``reduction="mean"``, for a function with a
             ``reduction`` argument; its rows split over ranks then run ``"sum"``, and the
             scalar results are divided by the global denominator.
@@ -132,16 +129,12 @@ def accepts_dtensors(
             sequence, nor while a packed-layout argument is given, since a split sequence
             would be scored in pieces. ``None``: any batch or sequence split.
     """
-    roles = _Roles(
-        rows, heads, whole, per_token_keywords, vocab_parallel is not None, mean, whole_sequences
-    )
+    roles = _Roles(rows, heads, whole, per_token_keywords, vocab_parallel, mean, whole_sequences)
 
     def decorate(function: FunctionT) -> FunctionT:
         signature = inspect.signature(function)
-        if vocab_parallel is not None:
-            if "vocab_parallel" not in signature.parameters:
-                raise TypeError(f"{function.__name__} has no vocab_parallel argument")
-            function.__doc__ = _with_vocab_parallel_doc(function.__doc__ or "", vocab_parallel)
+        if vocab_parallel and "vocab_parallel" not in signature.parameters:
+            raise TypeError(f"{function.__name__} has no vocab_parallel argument")
 
         @functools.wraps(function)
         def entry_point(*args: Any, **kwargs: Any) -> Any:
@@ -152,24 +145,6 @@ def accepts_dtensors(
         return entry_point  # type: ignore[return-value]
 
     return decorate
-
-
-def _with_vocab_parallel_doc(doc: str, collectives: str) -> str:
-    """``doc`` with the shared ``vocab_parallel`` entry (:data:`VOCAB_PARALLEL_DOC`) at the
-    end of its ``Args`` block."""
-    lines = doc.split("\n")
-    if "    Args:" not in lines:
-        raise ValueError("a function with a vocab_parallel argument documents its Args")
-    start = lines.index("    Args:")
-    end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
-    entry = textwrap.fill(
-        VOCAB_PARALLEL_DOC.format(collectives=collectives),
-        width=92,
-        initial_indent=" " * 8,
-        subsequent_indent=" " * 12,
-        break_on_hyphens=False,
-    )
-    return "\n".join([*lines[:end], entry, *lines[end:]])
 
 
 def _holds_dtensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["VOCAB_PARALLEL_DOC", "VocabParallel", "VocabShard", "shard_layout", "vocab_shard"]
+__all__ = ["VocabParallel", "VocabShard", "shard_layout", "vocab_shard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +26,18 @@ class VocabParallel:
     Passed as ``vocab_parallel=`` to a public function (:func:`linear_ce.linear_cross_entropy`,
     :func:`~linear_ce.token_logprobs`, :func:`~linear_ce.token_objective`,
     :func:`~linear_ce.sequence_objective`, :func:`~linear_ce.linear_divergence`,
-    :func:`~linear_ce.sparse_divergence`), it says the head tensors given are this rank's
-    shard; the collectives per call are listed in :mod:`linear_ce.distributed`.
+    :func:`~linear_ce.sparse_divergence`), it says the same for every family: the head
+    tensors given (weights, biases) are this rank's shard ``(V_r, ...)``, rows
+    ``[vocab_start, vocab_start + V_r)`` of the whole head, and every other argument is the
+    same on every rank (class ids and class weights of the whole vocabulary). Every rank
+    gets the same result, equal to the call on the whole head; the head's shard gets the
+    gradient of its own rows, the input the whole gradient (summed over the group). Every
+    rank must make the same calls with the same shapes, options and ``requires_grad``
+    flags (the chunk size is planned from ``⌈num_classes / world⌉`` classes, so every rank
+    runs the same chunks), or the collectives do not match up. Each function's
+    ``vocab_parallel`` entry lists its collectives (:mod:`linear_ce.distributed`: how they
+    combine the row statistics). A DTensor head split along the vocabulary (``Shard(0)``)
+    needs no ``VocabParallel``: its placements say where its shard lies.
 
     Args:
         process_group: the group the vocabulary is split over; ``None`` is the default
@@ -73,24 +83,6 @@ class VocabParallel:
                 "VocabParallel: vocab_start must lie in [0, num_classes), got "
                 f"vocab_start={start}, num_classes={total}"
             )
-
-
-#: The ``vocab_parallel`` entry of a public function's ``Args``, written once for every
-#: family: :func:`linear_ce.parallel.dtensor.accepts_dtensors` inserts it, with the
-#: family's ``collectives``.
-VOCAB_PARALLEL_DOC = (
-    "vocab_parallel: ``None`` (the head is whole), or a :class:`~linear_ce.VocabParallel`: "
-    "the head tensors given (weights, biases) are this rank's shard ``(V_r, ...)``, rows "
-    "``[vocab_start, vocab_start + V_r)`` of the whole head, and every other argument is the "
-    "same on every rank (class ids and class weights of the whole vocabulary). Every rank "
-    "gets the same result, equal to the call on the whole head; the head's shard gets the "
-    "gradient of its own rows, the input the whole gradient (summed over the group). Every "
-    "rank must make the same calls with the same shapes, options and ``requires_grad`` flags "
-    "(the chunk size is planned from ``⌈num_classes / world⌉`` classes, so every rank runs "
-    "the same chunks), or the collectives do not match up. Collectives: {collectives} A "
-    "DTensor head split along the vocabulary (``Shard(0)``) needs no ``vocab_parallel``: its "
-    "placements say where its shard lies."
-)
 
 
 class VocabShard:
