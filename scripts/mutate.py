@@ -157,6 +157,56 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "loss",
+        "a returned lse's upstream gradient left out of the softmax coefficient",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "            softmax = softmax + factor * terms.lse_grad[rows, p]\n",
+                "            softmax = softmax + 0.0 * terms.lse_grad[rows, p]\n",
+            ),
+        ),
+        ("tests/test_lse_gradient.py", "-k", "float64 and weighted"),
+    ),
+    Mutation(
+        "loss",
+        "a returned lse's upstream gradient left out of the row loops' fused coefficients",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "            c0 = c0 + factor * terms.lse_grad[rows, p]\n",
+                "            c0 = c0 + 0.0 * terms.lse_grad[rows, p]\n",
+            ),
+        ),
+        ("tests/test_lse_gradient.py", "-k", "both_row_paths"),
+    ),
+    Mutation(
+        "loss",
+        "a mean/sum backward hands over the forward's gradients, dropping the lse's",
+        "src/linear_ce/ops/cross_entropy.py",
+        (("    if grad_lse is None or not ctx.differentiable_lse:\n", "    if True:\n"),),
+        ("tests/test_lse_gradient.py", "-k", "float64 and mean"),
+    ),
+    Mutation(
+        "loss",
+        "a mean's recomputed gradient misses the reduction's 1/count",
+        "src/linear_ce/losses/cross_entropy.py",
+        (
+            (
+                "        grad = torch.where(total == 0, 0.0, grad / total)\n",
+                "        grad = torch.where(total == 0, 0.0, grad)\n",
+            ),
+        ),
+        ("tests/test_lse_gradient.py", "-k", "float64 and mean"),
+    ),
+    Mutation(
+        "loss",
+        "a vocab-parallel mean/sum backward hands over the forward's gradients, dropping the lse's",
+        "src/linear_ce/ops/autograd.py",
+        (("            if all(g is None for g in grad_outputs[1:]):\n", "            if True:\n"),),
+        ("tests/test_lse_gradient.py", "-k", "vocab_parallel"),
+    ),
+    Mutation(
+        "loss",
         "temperature forgotten without a softcap",
         "src/linear_ce/engine/transform.py",
         (

@@ -83,7 +83,7 @@ def _result(
     return LinearCrossEntropyOutput(
         loss,
         z_term.detach() if return_z_loss else None,
-        lse.view(call.loss_shape).detach() if return_lse else None,
+        lse.view(call.loss_shape) if return_lse else None,
     )
 
 
@@ -155,7 +155,9 @@ def linear_cross_entropy(
         z_loss: :math:`\lambda \ge 0`, adds :math:`\lambda\,\omega_i\,\mathrm{lse}_i^2`
             per row, reduced like the loss (PaLM's auxiliary loss).
         return_z_loss: also return the z-loss term alone (detached).
-        return_lse: also return the per-row log-sum-exp (detached), shape as ``"none"``.
+        return_lse: also return the per-row log-sum-exp, shape as ``"none"``, with its
+            gradient (softmax times its upstream gradient; for ``"mean"``/``"sum"`` a
+            backward where it gets one recomputes the gradients in one more pass).
         softcap: if set, logits become ``softcap·tanh(logits/softcap)`` (Gemma 2).
         shift: ``True`` or ``k``: position ``t`` of the sequence (second-to-last
             input dimension) predicts label ``t+k``; the last ``k`` positions are
@@ -206,7 +208,7 @@ def linear_cross_entropy(
     options = resolve_options(options, _NAME)
     reported = reported_dtype(_NAME, call.input, options, loss_dtype)
     if shard is not None:
-        loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported)
+        loss, z_term, lse = cross_entropy_on_shard(call, options, shard, reported, return_lse)
         return _result(loss, z_term, lse, call, return_z_loss, return_lse)
     if call.reduction == "none":
         arguments = CrossEntropyArguments.of(call, options, Needs(False, False, False))
@@ -216,6 +218,6 @@ def linear_cross_entropy(
         if not allow_retain_graph and torch.compiler.is_compiling():
             allow_retain_graph = _promote_retain_graph()
         needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
-        arguments = CrossEntropyArguments.of(call, options, needs, allow_retain_graph)
+        arguments = CrossEntropyArguments.of(call, options, needs, allow_retain_graph, return_lse)
         loss, z_term, lse = chunked_scalar(*SCHEMA.flatten(arguments))[:3]
     return _result(loss.to(reported), z_term, lse, call, return_z_loss, return_lse)

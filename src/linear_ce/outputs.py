@@ -10,12 +10,15 @@ __all__ = ["LinearCrossEntropyOutput", "TokenLogprobs"]
 
 
 class LinearCrossEntropyOutput(NamedTuple):
-    """``(loss, z_loss, lse)``, returned when ``return_z_loss`` or ``return_lse`` is set.
+    r"""``(loss, z_loss, lse)``, returned when ``return_z_loss`` or ``return_lse`` is set.
 
     ``z_loss`` is the z-loss term alone, reduced like ``loss`` (already included
-    in ``loss``); ``lse`` is the per-token log-sum-exp of the (softcapped)
-    logits, of the loss's per-token shape. Both are detached: they are for
-    logging. A field that was not asked for is ``None``.
+    in ``loss``), detached (``requires_grad=False``): it is for logging. ``lse`` is
+    the per-token log-sum-exp of the (transformed) logits, of the loss's per-token
+    shape, 0 on ignored tokens, with its gradient
+    (:math:`\partial\,\mathrm{lse}_i / \partial s_{ij} = \mathrm{softmax}(s_i)_j`;
+    the constant 0 of an ignored token has none). A field that was not asked for is
+    ``None``.
     """
 
     loss: torch.Tensor

@@ -44,7 +44,8 @@ def linear_cross_entropy(
     ``z_loss`` each row adds ``z_loss·ω·lse²``; ``token_weight`` multiplies each
     row's loss; ``shift`` moves the labels (see
     :func:`linear_ce.linear_cross_entropy`). ``options`` is accepted and ignored.
-    ``lse`` is zero on ignored rows (they carry no loss, as in the chunked path).
+    ``lse`` is zero on ignored rows (they carry no loss) and carries its gradient (none
+    on ignored rows), as in the chunked path.
 
     Example::
 
@@ -121,5 +122,5 @@ def linear_cross_entropy(
     return LinearCrossEntropyOutput(
         loss,
         z_term.detach() if return_z_loss else None,
-        lse.reshape(call.loss_shape).detach() if return_lse else None,
+        lse.reshape(call.loss_shape) if return_lse else None,
     )

@@ -31,6 +31,12 @@ gradient by the normaliser of ``"mean"``, which the loop applies to its fp32 sum
 (``RowTerms.grad_scale``): folded into a half gradient tile, a mean's
 :math:`1/\sum_i\omega_i` pushes its entries towards the half dtype's subnormals.
 
+A returned :math:`\mathrm{lse}` carries its gradient, :math:`\partial\,\mathrm{lse}_i /
+\partial s_{ij} = p_{ij}`: its upstream gradient :math:`g_i` (known in backward only) adds
+to the coefficient of the softmax, :math:`(r_i(A_i + 2\lambda\omega_i\,\mathrm{lse}_i) + g_i)
+\,p_{ij} - r_i a_{ij}`, in the same pass as the loss's gradient. An ignored row's lse is the
+constant zero, so its :math:`g_i` has nothing to reach.
+
 The head (:class:`CrossEntropyHead`) computes it on the loop's tiles: per row, with
 the coefficients of :class:`RowTerms`, the loop's :math:`u = s - m` and
 :math:`Z = \sum_j e^{u_j}`:
@@ -53,7 +59,14 @@ from linear_ce.checks.call import Call
 from linear_ce.engine.head import RowStats, Tile
 from linear_ce.engine.row_chunks import RowChunk
 
-__all__ = ["CrossEntropyHead", "RowTerms", "mean_denominator", "row_terms", "row_weights"]
+__all__ = [
+    "CrossEntropyHead",
+    "RowTerms",
+    "loss_upstream",
+    "mean_denominator",
+    "row_terms",
+    "row_weights",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +79,8 @@ class RowTerms:
     :math:`r_i`; ``token`` is :math:`\\tau_i`; ``normaliser`` the scalar that
     turns the sum into the requested reduction; ``grad_scale`` the factor of every
     gradient the loop applies to its sums (the normaliser of a ``"mean"`` forward, zero
-    where no row counts; ``None``: one).
+    where no row counts; ``None``: one); ``lse_grad`` the upstream gradient :math:`g_i` of
+    each row's returned lse (backward only; ``None``: none).
     """
 
     target: torch.Tensor | None
@@ -81,6 +95,7 @@ class RowTerms:
     normaliser: torch.Tensor
     class_weight: torch.Tensor | None
     grad_scale: torch.Tensor | None = None
+    lse_grad: torch.Tensor | None = None
 
     def z_rows(self, lse: torch.Tensor) -> torch.Tensor:
         """The z-loss term of each row, :math:`\\tau_i\\,\\lambda\\,\\omega_i\\,\\mathrm{lse}_i^2`."""
@@ -134,16 +149,39 @@ def mean_denominator(call: Call, acc_dtype: torch.dtype = torch.float64) -> torc
     return row_weights(call, acc_dtype).sum()
 
 
+def loss_upstream(
+    call: Call, acc_dtype: torch.dtype, grad_loss: torch.Tensor | None
+) -> torch.Tensor:
+    """The upstream gradient of each row's loss ``(N, P)`` in ``acc_dtype``, from the
+    upstream gradient ``grad_loss`` of the call's loss: itself for ``"none"``; for
+    ``"mean"``/``"sum"`` the scalar times the reduction's normaliser (one, or
+    :math:`1/\\sum_i\\omega_i`, zero where no row counts, as torch's gradients are);
+    zero where ``grad_loss`` is ``None`` (only the lse has an upstream gradient)."""
+    rows, positions = call.input.shape[0], call.linear_weight.shape[1]
+    if grad_loss is None:
+        return torch.zeros((rows, positions), dtype=acc_dtype, device=call.input.device)
+    grad = grad_loss.to(acc_dtype)
+    if call.reduction == "none":
+        return grad.reshape(rows, positions)
+    if call.reduction == "mean":
+        total = mean_denominator(call, acc_dtype)
+        grad = torch.where(total == 0, 0.0, grad / total)
+    return grad.expand(rows, positions)
+
+
 def row_terms(
     call: Call,
     acc_dtype: torch.dtype,
     grad_output: torch.Tensor | None = None,
     num_classes: int | None = None,
+    grad_lse: torch.Tensor | None = None,
 ) -> RowTerms:
     """Coefficients of every row of ``call`` in ``acc_dtype``.
 
-    ``grad_output`` (``"none"`` backward only) is the upstream ``(N, P)``
-    gradient; it replaces the reduction's normaliser in ``scale``.
+    ``grad_output`` (backward only) is the upstream ``(N, P)`` gradient of the rows'
+    losses (:func:`loss_upstream`); it replaces the reduction's normaliser in ``scale``.
+    ``grad_lse`` (backward only, with ``grad_output``) is the upstream ``(N, P)`` gradient
+    of the returned lse.
     ``num_classes`` is the whole vocabulary's ``C`` when ``call.linear_weight``
     is a vocab-parallel shard (:mod:`linear_ce.distributed`); ``None`` means
     the weight's own first dimension.
@@ -203,6 +241,8 @@ def row_terms(
         normaliser=normaliser,
         class_weight=class_weight,
         grad_scale=grad_scale,
+        # Read on the rows the loop visits only: an ignored row's entry is never used.
+        lse_grad=None if grad_lse is None else grad_lse.to(acc_dtype).reshape(rows, positions),
     )
 
 
@@ -272,7 +312,10 @@ class CrossEntropyHead:
         terms = self.terms
         r = factor * terms.scale[rows, p]
         c1 = 2.0 * r * terms.zeta[rows, p]
-        return r * terms.A[rows, p], c1, -(r * self.alpha_rows) * self.owned
+        c0 = r * terms.A[rows, p]
+        if terms.lse_grad is not None:
+            c0 = c0 + factor * terms.lse_grad[rows, p]
+        return c0, c1, -(r * self.alpha_rows) * self.owned
 
     def rows_done(self, rows: RowChunk, p: int, stats: RowStats) -> None:
         terms = self.terms
@@ -286,7 +329,10 @@ class CrossEntropyHead:
     ) -> Tile:
         terms = self.terms
         r = terms.scale[rows, p] * factor
-        e.mul_((r * (self.A + 2.0 * self.zeta * stats.lse) / stats.sum_exp)[:, None])
+        softmax = r * (self.A + 2.0 * self.zeta * stats.lse)
+        if terms.lse_grad is not None:
+            softmax = softmax + factor * terms.lse_grad[rows, p]
+        e.mul_((softmax / stats.sum_exp)[:, None])
         if terms.target is not None:
             e.scatter_add_(1, self.safe_t, (-(r * terms.alpha[rows, p]) * self.owned)[:, None])
         else:

@@ -41,6 +41,7 @@ __all__ = [
     "keep_gradients",
     "reduce_rows",
     "register_by_reduction",
+    "release_gradients",
     "row_weight",
 ]
 
@@ -88,6 +89,15 @@ def keep_gradients(ctx: Any, grads: Sequence[torch.Tensor | None], hand: HandOve
         None if g is None or not need else g.detach()
         for g, need in zip(grads, hand.needs, strict=True)
     ]
+
+
+def release_gradients(ctx: Any) -> None:
+    """Free the gradients :func:`keep_gradients` kept, unless a second backward may read
+    them: a backward that recomputes instead (an output other than the loss got an
+    upstream gradient) then holds no second copy, and a later backward that would hand
+    them over raises as :func:`hand_over_gradients` says."""
+    if not ctx.hand_over.allow_retain_graph:
+        ctx.grads = [None] * len(ctx.grads)
 
 
 def hand_over(ctx: Any, grad_loss: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -201,13 +211,17 @@ def register_by_reduction(op: Any, schema: OpSchema) -> None:
 class Forward(NamedTuple):
     """What a :class:`Run`'s forward gives :class:`OnVocab`: its ``outputs``; the
     ``gradients`` it formed (a scalar loss), handed over in backward, or ``None`` (then
-    backward recomputes, reading the three tensors and ``saved``); and the positions of
-    the outputs that are statistics, without a gradient."""
+    backward recomputes, reading the three tensors and ``saved``); the positions of
+    the outputs that are statistics, without a gradient; and whether a forward that
+    formed its gradients also keeps the three tensors (``recomputable``), so that a
+    backward where an output other than the first gets an upstream gradient (a returned
+    lse) recomputes them with every upstream gradient instead of handing them over."""
 
     outputs: tuple[torch.Tensor, ...]
     gradients: Gradients | None = None
     saved: tuple[torch.Tensor, ...] = ()
     statistics: tuple[int, ...] = ()
+    recomputable: bool = False
 
 
 class Run(Protocol):
@@ -265,6 +279,7 @@ class OnVocab(torch.autograd.Function):
             keep_gradients(ctx, (grads.input, grads.weight, grads.bias), run.hand_over)
         else:
             ctx.set_materialize_grads(False)
+        if not ctx.formed or result.recomputable:
             ctx.save_for_backward(
                 input.detach(),
                 weight.detach(),
@@ -278,7 +293,9 @@ class OnVocab(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outputs):
         if ctx.formed:
-            return (*hand_over(ctx, grad_outputs[0]), None)
+            if all(g is None for g in grad_outputs[1:]):
+                return (*hand_over(ctx, grad_outputs[0]), None)
+            release_gradients(ctx)
         input, weight, bias, *saved = ctx.saved_tensors
         needs = Needs.asked(ctx, bias)
         if not any(needs):

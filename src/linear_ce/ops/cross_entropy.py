@@ -10,9 +10,14 @@ Two ops on one schema (:class:`CrossEntropyArguments`), because their autograd d
   extra logits GEMM per chunk, no ``(N, V)`` state).
 
 Both return ``(loss, z_loss, lse, grad_input, grad_weight, grad_bias)``, the loss in the
-accumulation dtype (the public function rounds it to the dtype it reports); ``z_loss``
-and ``lse`` are for logging and get no gradient. :func:`cross_entropy_on_shard` runs the
-same bodies on a shard of the vocabulary (:class:`~linear_ce.ops.autograd.OnVocab`).
+accumulation dtype (the public function rounds it to the dtype it reports). ``z_loss``
+is for logging and gets no gradient; ``lse`` carries its gradient, softmax times its
+upstream gradient, which backward folds into each row's coefficient of the softmax in
+the pass that forms the loss's gradient: ``chunked_rows``' own pass, or, for
+``chunked_scalar`` called with ``differentiable_lse``, a pass like ``chunked_rows``'
+that replaces the gradients formed in forward (they were formed before the lse's
+upstream gradient was known). :func:`cross_entropy_on_shard` runs the same bodies on a
+shard of the vocabulary (:class:`~linear_ce.ops.autograd.OnVocab`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from linear_ce.engine.chunk_loop import Gradients, Needs, run_head
 from linear_ce.engine.plan import acc_dtype_for
 from linear_ce.engine.transform import LogitTransform
 from linear_ce.engine.vocab import LocalVocab, Vocab
-from linear_ce.losses.cross_entropy import CrossEntropyHead, RowTerms, row_terms
+from linear_ce.losses.cross_entropy import CrossEntropyHead, RowTerms, loss_upstream, row_terms
 from linear_ce.ops.autograd import (
     Forward,
     HandOver,
@@ -37,6 +42,7 @@ from linear_ce.ops.autograd import (
     hand_over,
     hand_over_of,
     keep_gradients,
+    release_gradients,
 )
 from linear_ce.ops.schema import OpSchema, PlanOptions
 from linear_ce.options import LinearCrossEntropyOptions
@@ -52,8 +58,10 @@ __all__ = [
 
 class CrossEntropyArguments(NamedTuple):
     """The arguments of both cross-entropy ops: a checked :class:`Call`, the upstream
-    gradient of its rows (``chunked_rows``'s backward), how it runs, which gradients, and
-    the public function called (its errors name it)."""
+    gradients of its rows' losses and lse (``chunked_rows``'s backward), how it runs,
+    which gradients, whether the lse is returned with its gradient (``chunked_scalar``
+    then keeps its tensors for a backward that recomputes), and the public function
+    called (its errors name it)."""
 
     input: torch.Tensor
     linear_weight: torch.Tensor
@@ -62,6 +70,7 @@ class CrossEntropyArguments(NamedTuple):
     class_weight: torch.Tensor | None
     token_weight: torch.Tensor | None
     grad_output: torch.Tensor | None
+    grad_lse: torch.Tensor | None
     probability_target: bool
     reduction: str
     ignore_index: int
@@ -71,6 +80,7 @@ class CrossEntropyArguments(NamedTuple):
     options: PlanOptions
     allow_retain_graph: bool
     needs: Needs
+    differentiable_lse: bool = False
     name: str = "linear_cross_entropy"
 
     @classmethod
@@ -80,14 +90,17 @@ class CrossEntropyArguments(NamedTuple):
         options: LinearCrossEntropyOptions,
         needs: Needs,
         allow_retain_graph: bool = False,
+        differentiable_lse: bool = False,
     ) -> CrossEntropyArguments:
         return cls(
             **{name: getattr(call, name) for name in _FROM_CALL},
             grad_output=None,
+            grad_lse=None,
             transform=call.transform,
             options=PlanOptions.of(options),
             allow_retain_graph=allow_retain_graph,
             needs=needs,
+            differentiable_lse=differentiable_lse,
         )
 
     def call(self) -> Call:
@@ -115,14 +128,17 @@ def run_cross_entropy(
     vocab: Vocab,
     needs: Needs,
     grad_output: torch.Tensor | None = None,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[RowTerms, CrossEntropyHead, Gradients]:
     """The chunk loop on ``call`` with the cross-entropy head: its row coefficients, the
     head (``row_loss``, ``lse``) and the gradients ``needs`` asks for (the input's summed
-    over the vocabulary's shards). ``grad_output`` as in
+    over the vocabulary's shards). ``grad_output`` and ``grad_lse`` as in
     :func:`~linear_ce.losses.cross_entropy.row_terms`."""
     check_targets(call, vocab.total)
     acc = acc_dtype_for(call.input.dtype, options.acc_dtype)
-    terms = row_terms(call, acc, grad_output=grad_output, num_classes=vocab.total)
+    terms = row_terms(
+        call, acc, grad_output=grad_output, num_classes=vocab.total, grad_lse=grad_lse
+    )
     head = CrossEntropyHead(call, terms, vocab.start, call.linear_weight.shape[0])
     grads = run_head(
         call.input,
@@ -151,11 +167,13 @@ def _rows(
     vocab: Vocab,
     needs: Needs,
     grad_output: torch.Tensor | None,
+    grad_lse: torch.Tensor | None = None,
 ):
-    """``(loss, z_loss, lse, gradients)`` of a "none" call, per row; with ``grad_output``
-    the gradients of the rows' losses weighted by it."""
+    """``(loss, z_loss, lse, gradients)`` of a call, per row; with ``grad_output`` (see
+    :func:`~linear_ce.losses.cross_entropy.loss_upstream`) the gradients of the rows'
+    losses weighted by it, plus those of the rows' lse weighted by ``grad_lse``."""
     terms, head, grads = run_cross_entropy(
-        call, options, vocab, needs.when(grad_output is not None), grad_output
+        call, options, vocab, needs.when(grad_output is not None), grad_output, grad_lse
     )
     return head.row_loss, terms.z_rows(head.lse), head.lse, grads
 
@@ -190,7 +208,9 @@ def _rows_kernel(args: CrossEntropyArguments) -> tuple[torch.Tensor, ...]:
     rows, the gradients in the last three slots."""
     vocab = LocalVocab(args.linear_weight.shape[0])
     options = args.options.as_options()
-    *outputs, grads = _rows(args.call(), options, vocab, args.needs, args.grad_output)
+    *outputs, grads = _rows(
+        args.call(), options, vocab, args.needs, args.grad_output, args.grad_lse
+    )
     return *outputs, *gradient_outputs(grads, args.input)
 
 
@@ -220,10 +240,26 @@ chunked_rows = SCHEMA.define("chunked_rows", 6, _rows_kernel, _fake)
 def _scalar_setup_context(ctx, inputs, output):
     args = SCHEMA.unflatten(inputs)
     keep_gradients(ctx, output[3:], hand_over_of(args))
+    ctx.differentiable_lse = args.differentiable_lse
+    if args.differentiable_lse:
+        SCHEMA.save(ctx, args)
 
 
-def _scalar_backward(ctx, grad_loss, *_unused):
-    return SCHEMA.gradients(hand_over(ctx, grad_loss))
+def _upstream_rows(args: CrossEntropyArguments, grad_loss: torch.Tensor | None) -> torch.Tensor:
+    acc = acc_dtype_for(args.input.dtype, args.options.acc_dtype)
+    return loss_upstream(args.call(), acc, grad_loss)
+
+
+def _scalar_backward(ctx, grad_loss, _grad_z_loss, grad_lse, *_unused):
+    # Without differentiable_lse the lse was not returned: nothing can have used it.
+    if grad_lse is None or not ctx.differentiable_lse:
+        return SCHEMA.gradients(hand_over(ctx, grad_loss))
+    release_gradients(ctx)
+    args, _ = SCHEMA.saved(ctx)
+    rows = _upstream_rows(args, grad_loss)
+    return SCHEMA.recompute(
+        chunked_rows, ctx, args._replace(reduction="none"), grad_output=rows, grad_lse=grad_lse
+    )
 
 
 def _rows_setup_context(ctx, inputs, output):
@@ -231,8 +267,10 @@ def _rows_setup_context(ctx, inputs, output):
     SCHEMA.save(ctx, SCHEMA.unflatten(inputs))
 
 
-def _rows_backward(ctx, grad_loss, *_unused):
-    return SCHEMA.recompute(chunked_rows, ctx, grad_output=grad_loss)
+def _rows_backward(ctx, grad_loss, _grad_z_loss, grad_lse, *_unused):
+    if grad_loss is None and grad_lse is not None:
+        grad_loss = _upstream_rows(SCHEMA.saved(ctx)[0], None)
+    return SCHEMA.recompute(chunked_rows, ctx, grad_output=grad_loss, grad_lse=grad_lse)
 
 
 chunked_scalar.register_autograd(_scalar_backward, setup_context=_scalar_setup_context)
@@ -248,6 +286,7 @@ class _OnShard:
     vocab: Vocab
     needs: Needs
     loss_dtype: torch.dtype
+    differentiable_lse: bool
 
     @property
     def hand_over(self) -> HandOver:
@@ -258,16 +297,19 @@ class _OnShard:
 
     def forward(self, input, weight, bias) -> Forward:
         call = self._on(input, weight, bias)
+        statistics = (1,) if self.differentiable_lse else (1, 2)
         if call.reduction == "none":
             loss, z_term, lse, _ = _rows(call, self.options, self.vocab, self.needs, None)
-            return Forward((loss.to(self.loss_dtype), z_term, lse), statistics=(1, 2))
+            return Forward((loss.to(self.loss_dtype), z_term, lse), statistics=statistics)
         loss, z_term, lse, grads = _scalar(call, self.options, self.vocab, self.needs)
-        return Forward((loss.to(self.loss_dtype), z_term, lse), grads, statistics=(1, 2))
+        outputs = (loss.to(self.loss_dtype), z_term, lse)
+        return Forward(outputs, grads, statistics=statistics, recomputable=self.differentiable_lse)
 
     def backward(self, input, weight, bias, saved, grad_outputs, needs) -> Gradients:
-        grad_loss = grad_outputs[0]
+        grad_loss, _, grad_lse = grad_outputs
         call = self._on(input, weight, bias)
-        return _rows(call, self.options, self.vocab, needs, grad_loss.contiguous())[3]
+        rows = loss_upstream(call, acc_dtype_for(input.dtype, self.options.acc_dtype), grad_loss)
+        return _rows(call, self.options, self.vocab, needs, rows, grad_lse)[3]
 
 
 class _CrossEntropyOnShard(OnVocab):
@@ -279,9 +321,11 @@ def cross_entropy_on_shard(
     options: LinearCrossEntropyOptions,
     vocab: Vocab,
     loss_dtype: torch.dtype,
+    differentiable_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, z_loss, lse)`` of ``call`` on a vocabulary shard ``vocab``, the loss in
-    ``loss_dtype``; the same bodies as the ops, under :class:`OnVocab`."""
+    ``loss_dtype``, the lse with its gradient if ``differentiable_lse``; the same bodies
+    as the ops, under :class:`OnVocab`."""
     needs = Needs.of(call.input, call.linear_weight, call.linear_bias)
-    run = _OnShard(call, options, vocab, needs, loss_dtype)
+    run = _OnShard(call, options, vocab, needs, loss_dtype, differentiable_lse)
     return _CrossEntropyOnShard.apply(call.input, call.linear_weight, call.linear_bias, run)
