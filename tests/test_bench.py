@@ -1,5 +1,6 @@
 """The benchmark report runs end to end at tiny shapes (no timing assertions)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -509,3 +510,155 @@ def test_report_names_the_cpu_family_and_model():
     info = {"cpu": "AMD EPYC", "cpu_identity": "family 26, model 2, L3 32768K", "cores": 2}
     title = _title({"machine": {**info, "torch": "2.13.0"}, "device": "cpu", "repeats": 3})
     assert title.startswith("AMD EPYC (family 26, model 2, L3 32768K), 2 cores, torch 2.13.0")
+
+
+def test_progress_lines_on_a_pipe_and_the_in_process_run(tmp_path):
+    """Outside a terminal each finished point is a line with the time elapsed and left; an
+    in-process run measures every point again, its ratios in their own column and JSON
+    list, and the targets read them."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "linear_ce.bench",
+            *("--shapes", "32,16,64", "--dtype", "fp32", "--sweep", "none", "--ignored", "none"),
+            *("--variants", "floor,plain,linear_ce", "--repeats", "2", "--in-process"),
+            *("--json", str(out), "--plot", str(tmp_path / "bench.png")),
+        ],
+        capture_output=True,  # stdout a pipe: the per-point lines
+        text=True,
+        timeout=600,
+        env={**os.environ, "LINEAR_CE_MEASURE": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == ["[1/2", "[2/2"], proc.stdout
+    assert "N=32 D=16 V=64 fp32; linear_ce " in lines[0] and "elapsed" in lines[0]
+    assert lines[0].endswith(" left") and "in-process" in lines[1]
+    assert "in-process" in proc.stdout.split("┃ note")[0]
+    assert "Targets at N=32 D=16 V=64, this run, in-process" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["in_process"] is True
+    (point,) = data["in_process_points"]
+    rows = {row["variant"]: row for row in point["rows"]}
+    assert [len(rows[name]["repeat_seconds"]) for name in ("floor", "plain", "linear_ce")] == [
+        2,
+        2,
+        2,
+    ]
+    step = next(t for t in data["targets"] if t["name"] == "step (× its floor)")
+    assert step["measured"] == pytest.approx(rows["linear_ce"]["ratio"])
+
+
+def test_in_process_run_puts_a_model_step_before_every_call(monkeypatch):
+    """Each call (warm-up and repeats) follows one step of the model, in this process, the
+    rounds interleaved; the block's step itself trains (gradients reach its weights)."""
+    from linear_ce.bench import runner, workload
+
+    point = config.Point(64, 64, 96, "fp32", "cpu")
+    block_step = workload.model_step(point)
+    block_step()
+    order = []
+
+    def model_step(at):
+        assert at == point
+
+        def step():
+            order.append("model")
+
+        return step
+
+    monkeypatch.setattr(workload, "model_step", model_step)
+    calls = []
+    import linear_ce.bench.measure as measure_module
+
+    real = measure_module.measure
+
+    def measure(call, device):
+        calls.append(call)
+        order.append("call")
+        return real(call, device)
+
+    monkeypatch.setattr(measure_module, "measure", measure)
+    (measured,) = runner.run_points_in_process(
+        [point], ["floor", "linear_ce", "floor-fwd"], 3, lambda text, n: None
+    )
+    assert order == ["model", "call"] * 12
+    assert {name: len(m.seconds) for name, m in measured.items()} == {
+        "floor": 3,
+        "linear_ce": 3,
+        "floor-fwd": 3,
+    }
+    # Round r starts at variant r: the timed calls' order rotates.
+    firsts = [calls[3 + 3 * r] for r in range(3)]
+    assert len({id(c) for c in firsts}) == 3
+    assert measured["linear_ce"].plan is not None
+
+
+def _slow_bf16(monkeypatch, half=0.5, single=100.0):
+    from linear_ce.bench import runner, variants
+
+    monkeypatch.setattr(variants, "half_gemm_rates", lambda dtype, features: (half, single))
+    monkeypatch.setattr(runner, "half_gemm_rates", lambda dtype, features: (half, single))
+
+
+def test_slow_half_peers_are_measured_at_fewer_rows_and_scaled(monkeypatch):
+    """Where bf16 GEMMs run far below fp32's, a peer doing its GEMMs in bf16 gets as many
+    rows as fit the time cap, its seconds scale to the point's rows, it has no memory and
+    the note says why; linear_ce and the fp32 floor keep every row; a variant that cannot
+    take fewer rows (DPO: whole pairs of sequences) is not measured, with the reason."""
+    from linear_ce.bench import runner
+    from linear_ce.bench.report import summarize
+
+    _slow_bf16(monkeypatch)
+    point = config.Point(2048, 1024, 32768, "bf16", "cpu")
+    per_row = 6 * 1024 * 32768 / 0.5e9 * 4  # seconds a row costs over the 4 calls
+    assert runner.reduced_rows(point, "plain", 3) == int(runner.SLOW_PEER_SECONDS / per_row)
+    assert runner.reduced_rows(point, "linear_ce", 3) is None
+    assert runner.reduced_rows(point, "floor-fp32", 3) is None
+    assert runner.reduced_rows(dataclasses.replace(point, dtype="fp32"), "plain", 3) is None
+    _slow_bf16(monkeypatch, half=60.0)
+    assert runner.reduced_rows(point, "plain", 3) is None  # not slow: within 4x of fp32
+    _slow_bf16(monkeypatch, half=1e-3)
+    assert runner.reduced_rows(point, "plain", 3) == 1
+
+    measured = runner.Measured()
+    dpo = config.Point(2048, 1024, 32768, "bf16", "cpu", head="dpo")
+    assert runner._reduce(dpo, "dpo-plain", 3, measured) is None
+    assert measured.unavailable.startswith("not measured: its bf16 GEMMs run at")
+
+    _slow_bf16(monkeypatch)
+    plain = runner.Measured()
+    reduced = runner._reduce(point, "plain", 3, plain)
+    assert plain.rows == reduced.N
+    plain.record(point, {"seconds": 2.0, "peak_bytes": 7})
+    assert plain.seconds == [2.0 * 2048 / plain.rows] and plain.peak_bytes == []
+    floor = runner.Measured(seconds=[1.0], peak_bytes=[5])
+    (_, row) = summarize(point, {"floor-fp32": floor, "plain": plain})
+    assert row.ratio == pytest.approx(2.0 * 2048 / plain.rows)
+    assert row.peak_bytes is None and row.peak_ratio is None
+    assert row.note.startswith(f"measured at N={plain.rows}, time scaled to N=2048: its bf16")
+
+
+def test_half_rows_own_ratio_reads_the_faster_floor_each_round():
+    """A half row's second ratio is to the faster of its own-dtype floor and the fp32
+    floor, round by round (the upcast floor where the half GEMMs are slower)."""
+    from linear_ce.bench.report import summarize
+    from linear_ce.bench.runner import Measured
+
+    def measured(*seconds):
+        return Measured(seconds=list(seconds), peak_bytes=[1])
+
+    half = config.Point(8, 4, 16, "bf16", "cpu")
+    rows = summarize(
+        half,
+        {
+            "floor": measured(2.0, 0.5),
+            "floor-fp32": measured(1.0, 1.0),
+            "linear_ce": measured(1.1, 0.6),
+        },
+    )
+    ours = rows[-1]
+    assert ours.own_ratio == pytest.approx((1.1 / 1.0 + 0.6 / 0.5) / 2)
+    assert ours.ratio == pytest.approx((1.1 + 0.6) / 2)

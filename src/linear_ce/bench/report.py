@@ -3,9 +3,12 @@
 Time is the median over repeats; the ratio to the floor is the median of the
 per-repeat ratios (each repeat's variant time over the same repeat's floor),
 so a slow spell of the machine cancels. Half-precision rows are divided by the
-fp32 floor and, where it was measured, by the floor in their own dtype too.
+fp32 floor and, where the floor in their own dtype was measured, by the faster of the
+two in each round too ("× own floor"; on a CPU whose half GEMMs are not native that is
+the fp32 one, the upcast floor).
 Memory is the largest transient peak over the repeats, also given as a multiple
-of the gradients' bytes (``grad_input`` + ``grad_weight`` in the input dtype).
+of the gradients' bytes (``grad_input`` + ``grad_weight`` in the input dtype); a peer
+measured at fewer rows (:func:`linear_ce.bench.runner.reduced_rows`) has no memory.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ __all__ = [
 ]
 
 _MIB = 2**20
+#: Settings that run torch's kernels, oneDNN or MKL below the CPU's instruction set (an
+#: AVX2-only CPU reproduced on a wider one).
+_ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,14 @@ def paired_ratio(times: list[float], ref: list[float]) -> float | None:
     return statistics.median(times) / statistics.median(ref)
 
 
+def _faster(own: list[float], fp32: list[float]) -> list[float]:
+    """Round by round, the faster of the own-dtype floor and the fp32 floor (``own`` where
+    the two were not measured round by round)."""
+    if len(own) != len(fp32):
+        return own
+    return [min(a, b) for a, b in zip(own, fp32, strict=True)]
+
+
 def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
     """Rows in the order measured, with ratios to each row's reference floor."""
     rows = []
@@ -83,8 +97,10 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
         if not m.seconds:
             rows.append(Row(name, kind, reference, None, None, None, None, note or "no samples"))
             continue
-        peak = max(m.peak_bytes)
+        peak = max(m.peak_bytes) if m.peak_bytes else None
         own = measured.get(own_floor_variant(point, kind) or "")
+        if m.rows is not None:
+            note = f"measured at N={m.rows}, time scaled to N={point.N}: {m.reduced_because}"
         rows.append(
             Row(
                 variant=name,
@@ -93,9 +109,11 @@ def summarize(point: Point, measured: dict[str, Measured]) -> list[Row]:
                 seconds=statistics.median(m.seconds),
                 ratio=paired_ratio(m.seconds, ref.seconds) if ref is not None else None,
                 peak_bytes=peak,
-                peak_ratio=peak / point.grad_bytes,
+                peak_ratio=None if peak is None else peak / point.grad_bytes,
                 note=note,
-                own_ratio=paired_ratio(m.seconds, own.seconds) if own is not None else None,
+                own_ratio=None
+                if own is None or not own.seconds
+                else paired_ratio(m.seconds, _faster(own.seconds, ref.seconds if ref else [])),
                 plan=m.plan,
                 repeat_seconds=list(m.seconds),
             )
@@ -139,9 +157,19 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def table(summaries: list[tuple[Point, list[Row]]], title: str):
-    """A :class:`rich.table.Table` of every point and variant."""
+def table(
+    summaries: list[tuple[Point, list[Row]]],
+    title: str,
+    in_process: list[tuple[Point, list[Row]]] | None = None,
+):
+    """A :class:`rich.table.Table` of every point and variant; given the summaries of an
+    in-process run of the same points, its ratios in a column of their own ("in-process",
+    × the floor, × the own floor in parentheses)."""
     from rich.table import Table
+
+    inside = {
+        (point, row.variant): row for point, rows in (in_process or []) for row in rows
+    }  # fmt: skip
 
     out = Table(title=title, show_lines=False)
     for header, justify in [
@@ -150,6 +178,7 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
         ("time s", "right"),
         ("× floor", "right"),
         ("× own floor", "right"),
+        *([("in-process", "right")] if in_process is not None else []),
         ("peak MiB", "right"),
         ("× grads", "right"),
         ("note", "left"),
@@ -162,12 +191,17 @@ def table(summaries: list[tuple[Point, list[Row]]], title: str):
             ratio = _fmt(row.ratio, ".2f")
             if row.ratio is not None and row.reference != "floor":
                 ratio += f" ({row.reference.removeprefix('floor-').removeprefix('floor')})"
+            there = inside.get((point, row.variant))
+            paired = _fmt(None if there is None else there.ratio, ".2f")
+            if there is not None and there.own_ratio is not None:
+                paired += f" ({there.own_ratio:.2f})"
             out.add_row(
                 point.label if j == 0 else "",
                 row.variant,
                 _fmt(row.seconds, ".3f"),
                 ratio,
                 _fmt(row.own_ratio, ".2f"),
+                *([paired] if in_process is not None else []),
                 _fmt(None if row.peak_bytes is None else row.peak_bytes / _MIB, ".0f"),
                 _fmt(row.peak_ratio, ".2f"),
                 (
@@ -371,39 +405,59 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LINEAR_CE_")},
+        # The run's linear_ce settings, and those capping torch's or its BLAS's instruction set.
+        "settings": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("LINEAR_CE_") or k in _ISA_SETTINGS
+        },
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
 
-def write_json(summaries: list[tuple[Point, list[Row]]], meta: dict, path: Path) -> None:
-    """Everything measured, with the machine and the command's settings."""
-    data = {
-        **meta,
-        "points": [
-            {
-                **dataclasses.asdict(point),
-                "grad_bytes": point.grad_bytes,
-                "rows": [dataclasses.asdict(row) for row in rows],
-            }
-            for point, rows in summaries
-        ],
-    }
+def _points_json(summaries: list[tuple[Point, list[Row]]]) -> list[dict]:
+    return [
+        {
+            **dataclasses.asdict(point),
+            "grad_bytes": point.grad_bytes,
+            "rows": [dataclasses.asdict(row) for row in rows],
+        }
+        for point, rows in summaries
+    ]
+
+
+def write_json(
+    summaries: list[tuple[Point, list[Row]]],
+    meta: dict,
+    path: Path,
+    in_process: list[tuple[Point, list[Row]]] | None = None,
+) -> None:
+    """Everything measured, with the machine and the command's settings; an in-process
+    run's summaries (``--in-process``) under ``"in_process_points"``."""
+    data = {**meta, "points": _points_json(summaries)}
+    if in_process is not None:
+        data["in_process_points"] = _points_json(in_process)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def read_json(path: Path) -> tuple[dict, list[tuple[Point, list[Row]]]]:
-    """What :func:`write_json` wrote: the run's settings and its summaries."""
+    """What :func:`write_json` wrote: the run's settings and its summaries (an in-process
+    run's, where stored, as summaries under the settings' ``"in_process_points"``)."""
     data = json.loads(path.read_text())
     fields = {f.name for f in dataclasses.fields(Point)}
-    summaries = [
-        (
-            Point(**{k: v for k, v in point.items() if k in fields}),
-            [Row(**row) for row in point["rows"]],
-        )
-        for point in data.pop("points")
-    ]
-    return data, summaries
+
+    def parse(points: list[dict]) -> list[tuple[Point, list[Row]]]:
+        return [
+            (
+                Point(**{k: v for k, v in point.items() if k in fields}),
+                [Row(**row) for row in point["rows"]],
+            )
+            for point in points
+        ]
+
+    if "in_process_points" in data:
+        data["in_process_points"] = parse(data["in_process_points"])
+    return data, parse(data.pop("points"))

@@ -20,6 +20,7 @@ gradients are fresh, as every step's are; the buffer is not in a floor's peak.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 from collections.abc import Callable
@@ -39,11 +40,13 @@ __all__ = [
     "describe_divergence_plan",
     "describe_plan",
     "dpo_scored",
+    "half_gemm_rates",
     "make_inputs",
     "measured_at",
     "own_floor_variant",
     "plan_note",
     "reference_variant",
+    "slow_half_gemm",
 ]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -67,11 +70,60 @@ class Variant:
     describe: Callable[[Point], dict] | None = None
     #: The loss reductions it is measured at; beyond ``"mean"`` its build takes ``reduction=``.
     reductions: tuple[str, ...] = ("mean",)
+    #: Whether its GEMMs run in the input dtype whatever the CPU (a peer: the plain
+    #: expression, torch's builtin, other libraries). Where the half GEMMs are slow
+    #: (:func:`slow_half_gemm`) such a variant is measured at fewer rows
+    #: (:func:`linear_ce.bench.runner.reduced_rows`).
+    half_gemms: bool = False
+
+
+#: A half GEMM this many times slower than fp32's is not native (oneDNN's conversion loops
+#: run one to two orders of magnitude slower; a native one at least at fp32's rate).
+SLOW_HALF_FACTOR = 4.0
+
+
+@functools.cache
+def half_gemm_rates(dtype: torch.dtype, features: int) -> tuple[float, float]:
+    """GFLOP/s of a small ``torch.mm`` (32 rows, ``features`` ≤ 1024, 256 columns) on one
+    thread in ``dtype`` and in fp32, the fastest of four calls after a first: whether the
+    half GEMMs are native is measured, since a setting that caps oneDNN's instruction set
+    (``ONEDNN_MAX_CPU_ISA``) makes them slow whatever the CPU's flags promise. One thread,
+    so that a busy machine's descheduled worker does not stretch a sub-millisecond GEMM."""
+    import time
+
+    k = max(1, min(features, 1024))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = []
+    try:
+        for dt in (dtype, torch.float32):
+            a, b = torch.randn(32, k).to(dt), torch.randn(k, 256).to(dt)
+            torch.mm(a, b)
+            best = math.inf
+            for _ in range(4):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                best = min(best, time.perf_counter() - start)
+            rates.append(2 * 32 * k * 256 / max(best, 1e-9) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return rates[0], rates[1]
+
+
+def slow_half_gemm(point: Point) -> bool:
+    """Whether ``point`` is a half-precision CPU point whose GEMMs in its own dtype run
+    more than :data:`SLOW_HALF_FACTOR` times slower than fp32's (:func:`half_gemm_rates`)."""
+    if point.torch_dtype not in HALF_DTYPES or point.device != "cpu":
+        return False
+    half, single = half_gemm_rates(point.torch_dtype, point.D)
+    return half * SLOW_HALF_FACTOR < single
 
 
 def _native(point: Point) -> bool:
     dtype = point.torch_dtype
-    return dtype not in HALF_DTYPES or native_half_gemm(dtype, torch.device(point.device))
+    if dtype not in HALF_DTYPES:
+        return True
+    return native_half_gemm(dtype, torch.device(point.device)) and not slow_half_gemm(point)
 
 
 def _always(point: Point) -> str | None:
@@ -398,11 +450,9 @@ def _sparse(kind: str) -> Build:
 
 
 def _floor_fwd(x, w, t):
-    dtype = (
-        x.dtype
-        if native_half_gemm(x.dtype, x.device) or x.dtype not in HALF_DTYPES
-        else torch.float32
-    )
+    dtype_name = str(x.dtype).removeprefix("torch.")
+    point = Point(x.shape[0], x.shape[1], w.shape[0], dtype_name, x.device.type)
+    dtype = x.dtype if _native(point) else torch.float32
     xd, wd = x.detach().to(dtype), w.detach().to(dtype)
     logits = _logits_buffer(xd, wd)
 
@@ -772,6 +822,7 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "cross_entropy(linear(x, W), t), eager",
             reductions=REDUCTIONS,
+            half_gemms=True,
         ),
         Variant(
             "plain-compile",
@@ -779,6 +830,7 @@ VARIANTS: dict[str, Variant] = {
             _compiled_plain,
             _always,
             "the plain expression under torch.compile",
+            half_gemms=True,
         ),
         Variant(
             "torch",
@@ -786,6 +838,7 @@ VARIANTS: dict[str, Variant] = {
             _torch_builtin(None),
             _has_builtin,
             "torch's linear_cross_entropy, default options",
+            half_gemms=True,
         ),
         Variant(
             "torch-512",
@@ -793,6 +846,7 @@ VARIANTS: dict[str, Variant] = {
             _torch_builtin(512),
             _has_builtin,
             "torch's linear_cross_entropy, 512-row chunks",
+            half_gemms=True,
         ),
         Variant(
             "linear_ce",
@@ -820,6 +874,7 @@ VARIANTS: dict[str, Variant] = {
             _train(_cce),
             _needs_module("cut_cross_entropy"),
             "Cut Cross-Entropy (torch_compile impl on CPU)",
+            half_gemms=True,
         ),
         Variant(
             "liger",
@@ -827,6 +882,7 @@ VARIANTS: dict[str, Variant] = {
             _train(_liger),
             _needs_module("liger_kernel", cuda_only=True),
             "Liger-Kernel fused linear cross-entropy",
+            half_gemms=True,
         ),
         Variant(
             "floor-fwd",
@@ -850,6 +906,7 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "log_softmax of the full logits, gathered, and its entropy; backward of both",
             ("logprobs",),
+            half_gemms=True,
         ),
         Variant(
             "logprobs-linear_ce",
@@ -866,6 +923,7 @@ VARIANTS: dict[str, Variant] = {
             _needs_module("trl"),
             "TRL's fused-head kernel (ChunkedLogProbFunction), log_probs and entropy",
             ("logprobs",),
+            half_gemms=True,
         ),
         Variant(
             "logprobs-trl-patched",
@@ -882,6 +940,7 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "clipped policy gradient + entropy bonus on log_softmax of the full logits",
             ("objective",),
+            half_gemms=True,
         ),
         Variant(
             "objective-logprobs",
@@ -906,6 +965,7 @@ VARIANTS: dict[str, Variant] = {
             _always,
             "forward KL(teacher || student) on both full logits of the valid rows",
             ("divergence",),
+            half_gemms=True,
         ),
         Variant(
             "divergence-linear_ce",
@@ -923,6 +983,7 @@ VARIANTS: dict[str, Variant] = {
             _needs_module("trl"),
             "TRL's ChunkedDivergenceFunction(beta=0) on the valid rows, mean",
             ("divergence",),
+            half_gemms=True,
         ),
         Variant(
             "dpo-plain",
@@ -931,6 +992,7 @@ VARIANTS: dict[str, Variant] = {
             _dpo_shape,
             "DPO (sigmoid) on log_softmax of the full logits, summed per sequence",
             ("dpo",),
+            half_gemms=True,
         ),
         Variant(
             "dpo-logprobs",
@@ -956,6 +1018,7 @@ VARIANTS: dict[str, Variant] = {
             f"forward KL to a stored top-{SPARSE_K} teacher as a dense (N, V) target, on the "
             "full logits of the valid rows",
             ("sparse",),
+            half_gemms=True,
         ),
         Variant(
             "sparse-linear_ce",
