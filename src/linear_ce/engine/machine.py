@@ -359,8 +359,15 @@ def machine_info() -> dict:
     }
 
 
+#: Settings that cap the instruction set torch's kernels and BLAS libraries use below what
+#: the CPU's flags promise; a capped run measures other rates, so they key the cache too.
+_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def _machine_key() -> dict:
-    return {"cpu": _cpu_model(), "flags": sorted(cpu_flags()), "torch": torch.__version__}
+    key = {"cpu": _cpu_model(), "flags": sorted(cpu_flags()), "torch": torch.__version__}
+    capped = {name: os.environ[name] for name in _ISA_ENV if os.environ.get(name)}
+    return key | ({"isa": capped} if capped else {})
 
 
 def _fingerprint() -> str:
