@@ -2533,6 +2533,47 @@ _TRUST = (
     ),
 )
 
+_TRITON_KERNELS = "src/linear_ce/engine/triton_row_kernels.py"
+_TRITON_TESTS = ("tests/test_triton_rows.py", "-k", "loops_against or small_blocks or rounds")
+
+_TRITON_ROWS: tuple[Mutation, ...] = (
+    Mutation(
+        "triton_rows",
+        "Triton stats: the online max no longer rescales the sum so far",
+        _TRITON_KERNELS,
+        (("s = s * r + tl.sum(e, 1)", "s = s + tl.sum(e, 1)"),),
+        _TRITON_TESTS,
+        quick=True,
+    ),
+    Mutation(
+        "triton_rows",
+        "Triton stats: the dot sum's rescaling drops its shift term",
+        _TRITON_KERNELS,
+        (("r * (d - (ref - m) * s)", "r * d"),),
+        _TRITON_TESTS,
+    ),
+    Mutation(
+        "triton_rows",
+        "Triton gradient: the target column's gamma dropped",
+        _TRITON_KERNELS,
+        (
+            (
+                "if HAS_B else e * a\n        g = tl.where(cols[None, :] == t[:, None], "
+                "g + gamma[:, None], g)",
+                "if HAS_B else e * a\n",
+            ),
+        ),
+        _TRITON_TESTS,
+    ),
+    Mutation(
+        "triton_rows",
+        "Triton bf16 rounding truncates instead of rounding to nearest even",
+        _TRITON_KERNELS,
+        (("rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16", "rounded = b >> 16"),),
+        _TRITON_TESTS,
+    ),
+)
+
 MUTATIONS: tuple[Mutation, ...] = (
     *_LOSS,
     *_SEQUENCE,
@@ -2547,9 +2588,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     *_TRL_SEQUENCE,
     *_MACHINE_PLAN,
     *_NATIVE_ROWS,
+    *_TRITON_ROWS,
     *_PAIR_LOOPS,
     *_STATS_PASS,
     *_SCRATCH,
+    *_TRUST,
     *_DOCS,
 )
 
