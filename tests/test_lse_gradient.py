@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import linear_ce
 from conftest import eps, rel_err, run_gloo_rank
@@ -297,7 +299,7 @@ def test_torch_compile_and_vmap():
     assert rel_err(got_grad, plain_grad) <= F64_BOUND
 
 
-# ----------------------------------------------------------------------------- vocab-parallel
+# ----------------------------------------------------------------------------- vocab-parallel, DTensor
 
 
 def _shard_case(rank: int, world: int) -> list[str]:
@@ -323,15 +325,48 @@ def _shard_case(rank: int, world: int) -> list[str]:
     return failures
 
 
+def _dtensor_case(rank: int, world: int) -> list[str]:
+    """DTensor arguments: the weight split along the vocabulary (the input replicated), or
+    the input's rows split (the weight replicated); the lse's gradient through
+    ``full_tensor`` against the plain float64 expression."""
+    failures = []
+    mesh = init_device_mesh("cpu", (world,))
+    leaves, t, R, extras = _data(11, extras=True)
+    token_weight = extras.pop("token_weight")
+    layouts = {"vocab": (Replicate(), Shard(0)), "rows": (Shard(0), Replicate())}
+    for layout, (rows_pl, head_pl) in layouts.items():
+        for reduction in REDUCTIONS:
+            kw = dict(reduction=reduction, shift=True, **extras)
+            x = distribute_tensor(leaves[0], mesh, [rows_pl]).requires_grad_()
+            W, b = (distribute_tensor(v, mesh, [head_pl]).requires_grad_() for v in leaves[1:])
+            out = linear_ce.linear_cross_entropy(
+                x, W, distribute_tensor(t, mesh, [rows_pl]), linear_bias=b, return_lse=True,
+                token_weight=distribute_tensor(token_weight, mesh, [rows_pl]), **kw,
+            )  # fmt: skip
+            loss, lse = out.loss.full_tensor(), out.lse.full_tensor()
+            total = _objective(loss, lse, R, "weighted")
+            got = [total.detach(), lse.detach()]
+            got += [g.full_tensor() for g in torch.autograd.grad(total, [x, W, b])]
+            exact = _run(_plain, leaves, t, R, "weighted", token_weight=token_weight, **kw)
+            for name, g, e in zip(NAMES, got, exact, strict=True):
+                err = rel_err(g, e)
+                if not err <= F64_BOUND:
+                    failures.append(f"DTensor {layout} rank {rank} {reduction} {name}: {err:.3g}")
+    return failures
+
+
 def _worker(rank: int, world: int, folder: str) -> None:
-    run_gloo_rank(rank, world, folder, lambda: _shard_case(rank, world))
+    run_gloo_rank(
+        rank, world, folder, lambda: _shard_case(rank, world) + _dtensor_case(rank, world)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_vocab_parallel_lse_gradient(tmp_path):
+def test_vocab_parallel_and_dtensor_lse_gradient(tmp_path):
     """Two ranks over gloo: each shard's lse gradient is the softmax over the whole
-    vocabulary (the global lse) times its upstream gradient."""
+    vocabulary (the global lse) times its upstream gradient; DTensor arguments split along
+    the vocabulary or the rows."""
     assert not dist.is_initialized()
     world = 2
     mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
