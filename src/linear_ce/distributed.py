@@ -29,7 +29,8 @@ the same chunks):
 
 - ``reduction`` "mean"/"sum": ``2·K`` all_reduce in forward, plus one
   all_reduce of the input gradient (in forward, where the gradients are
-  computed) when ``input`` requires grad; backward communicates nothing.
+  computed) when ``input`` requires grad; backward communicates nothing, unless a
+  returned lse gets a gradient: then backward recomputes as for ``"none"``.
 - ``reduction="none"``: ``2·K`` in forward; backward recomputes the chunks,
   ``2·K`` again, plus one all_reduce of the input gradient.
 - one all_gather of the shard sizes when the :class:`VocabParallel` does not give
