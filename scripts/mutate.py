@@ -414,6 +414,63 @@ _LOSS: tuple[Mutation, ...] = (
         ("tests/test_bench.py", "-k", "one_buffer"),
     ),
     Mutation(
+        "machine_plan",
+        "the bench's peers measured at fewer rows keep their time unscaled",
+        "src/linear_ce/bench/runner.py",
+        (
+            (
+                'self.seconds.append(answer["seconds"] * point.N / self.rows)',
+                'self.seconds.append(answer["seconds"])',
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "slow_half"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench never finds a half GEMM slow",
+        "src/linear_ce/bench/variants.py",
+        (("    return half * SLOW_HALF_FACTOR < single\n", "    return False\n"),),
+        ("tests/test_bench.py", "-k", "slow_half"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's own-dtype ratio reads the own floor even where fp32's was faster",
+        "src/linear_ce/bench/report.py",
+        (("    return [min(a, b) for a, b in zip(own, fp32, strict=True)]\n", "    return own\n"),),
+        ("tests/test_bench.py", "-k", "faster_floor"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's in-process run times its calls without the model's step between them",
+        "src/linear_ce/bench/runner.py",
+        (
+            (
+                "                        step()\n                        sample = measure(",
+                "                        sample = measure(",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "model_step"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's targets read the isolated ratios of an in-process run",
+        "src/linear_ce/bench/__main__.py",
+        (
+            (
+                "    checked = summaries if in_summaries is None else in_summaries\n",
+                "    checked = summaries\n",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "progress_lines"),
+    ),
+    Mutation(
+        "machine_plan",
+        "a capped instruction set reads the full CPU's measured rates",
+        "src/linear_ce/engine/machine.py",
+        (('    return key | ({"isa": capped} if capped else {})\n', "    return key\n"),),
+        ("tests/test_machine_plan.py", "-k", "capped"),
+    ),
+    Mutation(
         "loss",
         "a half sum in the result takes the mean's power of two on x, the rest in a pass",
         "src/linear_ce/engine/accumulate.py",

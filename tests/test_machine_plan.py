@@ -717,3 +717,23 @@ def test_a_call_without_gradients_takes_the_stretched_budgets_longest_chunks(mon
     expected = torch.nn.functional.cross_entropy(x.detach() @ w.T, t)
     # 3 eps(fp64): both sums run in fp64 over 2048 · 1024 logits of O(1).
     assert (loss - expected).abs() <= 3 * torch.finfo(torch.float64).eps * expected.abs()
+
+
+def test_a_capped_instruction_set_keys_its_own_cache(monkeypatch):
+    """A run with torch's or its BLAS's instruction set capped below the CPU's (an AVX2-only
+    CPU reproduced on a wider one) measures other rates: its cache key differs; without a
+    cap the key is the plain one, so existing caches stay valid."""
+    from linear_ce.engine import machine
+
+    for name in (
+        "ATEN_CPU_CAPABILITY",
+        "ONEDNN_MAX_CPU_ISA",
+        "MKL_CBWR",
+        "MKL_ENABLE_INSTRUCTIONS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    plain = machine._machine_key()
+    assert set(plain) == {"cpu", "flags", "torch"}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = machine._machine_key()
+    assert capped["isa"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"} and capped != plain
