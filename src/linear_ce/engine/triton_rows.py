@@ -32,13 +32,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import os
 import warnings
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
+from linear_ce.engine.environment import read
 from linear_ce.engine.native_rows import (
     NATIVE_ROWS_ENV,
     NativeRows,
@@ -70,15 +70,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def row_kernels_choice() -> str:
-    """``LINEAR_CE_ROW_KERNELS``: ``"auto"`` (by device) or ``"triton"`` (a test knob:
-    the Triton kernels on CPU tensors too, under the interpreter)."""
-    value = os.environ.get(ROW_KERNELS_ENV, "auto").strip() or "auto"
-    if value not in ("auto", "triton"):
-        raise ValueError(
-            f"{ROW_KERNELS_ENV} must be auto (the compiled loops on a CPU, Triton on CUDA) or "
-            f"triton (Triton on every device; CPU tensors need TRITON_INTERPRET=1); got {value!r}"
-        )
-    return value
+    """``LINEAR_CE_ROW_KERNELS`` (read by :mod:`linear_ce.engine.environment`): ``"auto"``
+    (by device) or ``"triton"`` (a test knob: the Triton kernels on CPU tensors too, under
+    the interpreter)."""
+    return read(ROW_KERNELS_ENV)
 
 
 def triton_available() -> bool:
