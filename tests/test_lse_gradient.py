@@ -160,6 +160,48 @@ def test_lse_with_every_extra_float64(reduction):
     _check(got, exact, F64_BOUND, f"extras {reduction}")
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_k_dimensional_and_probability_targets_float64(reduction):
+    """A K-dimensional loss (weight ``(C, P, F)``, an lse per row and position) and
+    probability targets with label smoothing (every row counts), a weighted lse."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(7, FEATURES, generator=gen, dtype=torch.float64).requires_grad_()
+    Wk = torch.randn(CLASSES, 3, FEATURES, generator=gen, dtype=torch.float64).requires_grad_()
+    W = torch.randn(CLASSES, FEATURES, generator=gen, dtype=torch.float64).requires_grad_()
+    t = torch.randint(0, CLASSES, (7, 3), generator=gen)
+    t[0, 1] = t[4, 2] = IGNORE
+    q = torch.randn(7, CLASSES, generator=gen, dtype=torch.float64).softmax(-1)
+    R = torch.randn(7, 3, generator=gen, dtype=torch.float64)
+
+    def kdim(ours):
+        if ours:
+            out = linear_ce.linear_cross_entropy(x, Wk, t, reduction=reduction, return_lse=True)
+            return out.loss, out.lse
+        logits = torch.einsum("nf,cpf->ncp", x, Wk)
+        lse = torch.where(t != IGNORE, torch.logsumexp(logits, 1), 0.0)
+        return F.cross_entropy(logits, t, ignore_index=IGNORE, reduction=reduction), lse
+
+    def probability(ours):
+        kw = dict(reduction=reduction, label_smoothing=0.1)
+        if ours:
+            out = linear_ce.linear_cross_entropy(x, W, q, return_lse=True, **kw)
+            return out.loss, out.lse
+        logits = x @ W.T
+        return F.cross_entropy(logits, q, **kw), torch.logsumexp(logits, -1)
+
+    for name, fn, leaves, weights in (
+        ("kdim", kdim, (x, Wk), R),
+        ("prob", probability, (x, W), R[:, 0]),
+    ):
+        results = []
+        for ours in (True, False):
+            loss, lse = fn(ours)
+            total = _objective(loss, lse, weights, "weighted")
+            results.append([total, lse, *torch.autograd.grad(total, leaves)])
+        for what, g, e in zip(NAMES, *results, strict=False):
+            assert rel_err(g, e) <= F64_BOUND, f"{name} {reduction} {what}"
+
+
 def test_every_row_ignored_gives_zero_gradients():
     """A "mean" whose rows are all ignored: NaN loss, lse 0, every gradient exactly zero
     (torch's), also with the lse in the objective."""
