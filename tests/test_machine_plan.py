@@ -560,18 +560,27 @@ def test_bench_reports_the_plan_and_its_rates(monkeypatch):
     assert info["settings"][machine.MEASURE_ENV] == "process"
 
 
+#: The distillation row's plan note past its chunks: bf16 inputs take bfloat16 half tiles
+#: where the plan takes native bf16 GEMMs, else fp32 tiles of upcast weight blocks.
+_NATIVE_BF16_NOTE = "bfloat16 row-major tiles, NativeHalf, compiled pair row loops"
+_UPCAST_BF16_NOTE = "float32 class-major tiles, BlockUpcast, compiled pair row loops"
+
+
 @pytest.mark.parametrize(
-    "dtype, native, half, note",
+    "dtype, native, half, cpu",
     [
-        ("fp32", "1", "1", "float32 class-major tiles, SameDtype, compiled pair row loops"),
-        ("fp32", "0", "1", "class-major, SameDtype, torch row loops"),
-        ("bf16", "1", "1", "bfloat16 row-major tiles, NativeHalf, compiled pair row loops"),
-        ("bf16", "1", "0", "float32 class-major tiles, BlockUpcast, compiled pair row loops"),
+        ("fp32", "1", "1", "this"),
+        ("fp32", "0", "1", "this"),
+        ("bf16", "1", "1", "this"),
+        ("bf16", "1", "1", "no-bf16"),
+        ("bf16", "1", "0", "this"),
     ],
 )
-def test_bench_reports_the_distillation_plan(monkeypatch, dtype, native, half, note):
+def test_bench_reports_the_distillation_plan(monkeypatch, dtype, native, half, cpu):
     """The bench's distillation row names the plan the call ran: its chunks of the valid
-    rows, and whether the compiled pair loops took its tiles (in which dtype)."""
+    rows, and whether the compiled pair loops took its tiles (in which dtype). Native bf16
+    GEMMs depend on the CPU (AVX512-BF16 or AMX): ``this`` expects what this machine's
+    flags give, ``no-bf16`` a CPU without them (an AVX2 one) on any machine."""
     from linear_ce.bench.config import Point
     from linear_ce.bench.variants import describe_divergence_plan, plan_note
     from linear_ce.engine.capability import NATIVE_HALF_GEMM_ENV
@@ -581,6 +590,15 @@ def test_bench_reports_the_distillation_plan(monkeypatch, dtype, native, half, n
     monkeypatch.setenv(machine.TILE_LAYOUT_ENV, "class-major")
     monkeypatch.setenv(NATIVE_HALF_GEMM_ENV, half)
     monkeypatch.setenv(machine.CHUNK_ROWS_ENV, "16")
+    if cpu == "no-bf16":
+        monkeypatch.setattr("linear_ce.engine.plan.native_half_gemm", lambda dtype, device: False)
+    if dtype == "fp32":
+        note = "float32 class-major tiles, SameDtype, compiled pair row loops"
+        if native == "0":
+            note = "class-major, SameDtype, torch row loops"
+    else:
+        native_bf16 = cpu == "this" and native_half_gemm(torch.bfloat16, CPU)
+        note = _NATIVE_BF16_NOTE if native_bf16 else _UPCAST_BF16_NOTE
     plan = describe_divergence_plan(Point(64, 16, 256, dtype, "cpu", head="divergence"))
     assert plan_note(plan) == f"4×16 rows, {note}"
     assert plan["row_loops"] == ("compiled pair" if native == "1" else "torch")

@@ -194,11 +194,12 @@ def _check(
     same_grads = torch.autograd.grad(
         (same * up.to(same.dtype)).sum(), [a for a in narrow if a is not None]
     )
-    # A float64 call meets a float64 reference with rounding errors of its own: measured
-    # against exact arithmetic (test_float64_reference_own_error) the reference is up to
-    # 64 eps off where the rest bucket is a sum of few small probabilities, so the bound
-    # is twice that; elsewhere the house's 3 eps, or twice the plain same-dtype
-    # expression's own error where larger.
+    # A float64 call meets a float64 reference with rounding errors of its own: against
+    # exact arithmetic (test_float64_reference_own_error) the reference is tens of eps off
+    # where the teacher's rest mass is a cancellation, hundreds where that mass is tiny (a
+    # k close to V), so the bound is 128 eps, which every example here meets on AVX-512
+    # and AVX2 kernels (`make test-avx2`); elsewhere the house's 3 eps, or twice the plain
+    # same-dtype expression's own error where larger.
     bound = (128 if dtype == torch.float64 else 3) * eps(dtype)
     assert got.shape == ref.shape
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -645,11 +646,34 @@ def _exact_rows(z, ids, lp, target, beta, temperature, upstream):
     return losses, grads
 
 
+def _rest_cancellation(z, ids, lp, target, temperature, upstream):
+    """A first-order error analysis of reverse KL with ``mass="rest"`` evaluated in float64
+    (the reference's and the package's own rounding): the teacher's rest ``r_t = 1 - Σ_k
+    exp(lp)`` is a cancellation. Its exps (1 ulp each) and their sum ((k - 1)/2 eps of it)
+    leave ``r_t`` at most ``(k + 1)/2`` eps off (the subtraction is exact), a relative
+    error ``(k + 1)/2 eps / r_t`` that ``log r_t`` passes on: ``r_s δ`` to a row's loss and
+    ``upstream · p_i ([i outside the top-k] - r_s) δ / T`` to its gradient (``r_s``: the
+    student's rest, ``p``: its probabilities). Returns these absolute errors of each row's
+    loss and gradient."""
+    k = ids.shape[-1]
+    p = torch.softmax(z / temperature, -1)
+    outside = torch.ones_like(p, dtype=torch.bool).scatter(-1, ids.long(), False)
+    r_t = 1 - lp.exp().sum(-1)
+    r_s = torch.where(outside, p, 0.0).sum(-1)
+    delta = torch.where(target != -100, (k + 1) / 2 * eps(torch.float64) / r_t, 0.0)
+    loss = r_s * delta
+    grad = (upstream.abs() * delta / temperature)[:, None] * p * (outside.double() - r_s[:, None])
+    return loss, grad
+
+
 def test_float64_reference_own_error():
-    """The float64 tests' bound: where the rest bucket is the sum of two small
-    probabilities (35 of 37 classes in the support, reverse KL) both the float64 reference
-    and the package are tens of eps from exact arithmetic; the package stays within twice
-    the reference's own error, which is what the 128-eps bound of ``_check`` allows."""
+    """The float64 tests' bound: where the teacher's top-k holds nearly all its mass (35 of
+    37 classes, reverse KL), its rest is a cancellation whose rounding ``log r_t`` carries
+    (:func:`_rest_cancellation`). Both the float64 reference and the package are then tens
+    to hundreds of eps from exact arithmetic (the reference's gradient: 63 eps on AVX-512
+    kernels, 583 on AVX2 ones, where the row with ``r_t = 2.9e-5`` takes 582; the package
+    81-88 eps), each within that error analysis's bound plus 16 eps for the rest of its
+    rounding; the package stays within twice the reference's own error."""
     temperature, k = 1.8846, 35
     x, w, _, ids, lp, t = _inputs(51287, k=k)
     z = (x @ w.T).detach()
@@ -662,12 +686,15 @@ def test_float64_reference_own_error():
         loss = fn(leaf, eye, ids, lp, t, reduction="none", **kw)
         (grad,) = torch.autograd.grad((loss * up).sum(), leaf)
         results.append((loss.reshape(-1), grad.reshape(-1, V)))
-    exact = _exact_rows(
-        z.reshape(-1, V), ids.reshape(-1, k), lp.reshape(-1, k), t.reshape(-1), 1.0,
-        temperature, up.reshape(-1),
-    )  # fmt: skip
+    rows = (z.reshape(-1, V), ids.reshape(-1, k), lp.reshape(-1, k), t.reshape(-1))
+    exact = _exact_rows(*rows, 1.0, temperature, up.reshape(-1))
+    loss_bound, grad_bound = _rest_cancellation(*rows, temperature, up.reshape(-1))
+    loss_bound = 16 * eps(torch.float64) + loss_bound.norm().item() / exact[0].norm().item()
+    grad_bound = 16 * eps(torch.float64) + grad_bound.norm().item() / exact[1].norm().item()
     (got_loss, got_grad), (ref_loss, ref_grad) = results
-    assert rel_err(ref_grad, exact[1]) <= 64 * eps(torch.float64)
+    for loss, grad in results:
+        assert rel_err(loss, exact[0]) <= loss_bound
+        assert rel_err(grad, exact[1]) <= grad_bound
     assert rel_err(got_loss, exact[0]) <= max(
         16 * eps(torch.float64), 2 * rel_err(ref_loss, exact[0])
     )
