@@ -89,7 +89,7 @@ def _count(what: str, words: dict[str, object]) -> tuple[Callable[[str], object]
         return words[text] if text in words else _whole(text)
 
     others = " or ".join(words)
-    return parse, f"a positive number of {what} (whole, in digits 0-9) or {others}"
+    return parse, f"a positive number of {what}, in the digits 0-9, or {others}"
 
 
 def _positive(what: str) -> tuple[Callable[[str], object], str]:
