@@ -23,7 +23,7 @@ from pathlib import Path
 import griffe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mkdocs_hooks import public_names
+from mkdocs_hooks import public_names, rendered
 
 _ROLE = re.compile(r":(func|class|meth|mod|attr|data|obj|exc):`(~?)([^`]+)`")
 _MATH = re.compile(r":math:`([^`]+)`")
@@ -91,7 +91,7 @@ class SphinxRoles(griffe.Extension):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pages = [name for name, _ in public_names()]
+        self.pages = [rendered(name) for name, _ in public_names()]
 
     def on_instance(self, *, obj: griffe.Object, **kwargs) -> None:
         if obj.docstring is not None:

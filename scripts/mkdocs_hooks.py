@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -65,20 +66,34 @@ def public_names() -> list[tuple[str, str]]:
     return names
 
 
+def rendered(identifier: str) -> str:
+    """The object a page renders: ``identifier``, or for a function that ``linear_ce``
+    imports from a module of its own name (``linear_ce.token_objective``, which griffe reads
+    as that module), the function itself (``linear_ce.token_objective.token_objective``)."""
+    package, _, name = identifier.rpartition(".")
+    module = f"{package}.{name}"
+    own_module = package == "linear_ce" and (SRC / "linear_ce" / f"{name}.py").exists()
+    return f"{module}.{name}" if own_module and name in _exports(module) else identifier
+
+
 def _summary(identifier: str) -> str:
     """The first line of ``identifier``'s docstring (static, like the pages)."""
     import griffe
 
     try:
-        obj = _LOADED.setdefault("linear_ce", griffe.load("linear_ce", search_paths=[str(SRC)]))
-        docstring = obj[identifier.removeprefix("linear_ce.")].docstring
+        docstring = _package()[identifier.removeprefix("linear_ce.")].docstring
     except (KeyError, griffe.AliasResolutionError):
         return ""
     first = docstring.value.strip().split("\n\n", 1)[0].replace("\n", " ") if docstring else ""
     return re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", first).replace("|", "\\|")
 
 
-_LOADED: dict = {}
+@functools.cache
+def _package():
+    """The package as griffe reads it, loaded once per build."""
+    import griffe
+
+    return griffe.load("linear_ce", search_paths=[str(SRC)])
 
 
 def _outside(match: re.Match) -> str:
@@ -98,12 +113,15 @@ def on_files(files, config):
             rows += ["", f"## `{module}`", "", "| name | summary |", "|---|---|"]
             section = module
         rows.append(
-            f"| [`{identifier.rsplit('.', 1)[-1]}`]({identifier}.md) | {_summary(identifier)} |"
+            f"| [`{identifier.rsplit('.', 1)[-1]}`]({identifier}.md) "
+            f"| {_summary(rendered(identifier))} |"
         )
         options = "\n    options:\n      show_root_heading: true\n      show_root_full_path: true\n"
         files.append(
             File.generated(
-                config, f"reference/{identifier}.md", content=f"::: {identifier}{options}"
+                config,
+                f"reference/{identifier}.md",
+                content=f"::: {rendered(identifier)}{options}",
             )
         )
     files.append(File.generated(config, "reference/index.md", content="\n".join(rows) + "\n"))
