@@ -31,7 +31,7 @@ _NAME = "linear_divergence"
 _TEACHER = {field: f"teacher_{field}" for field in TeacherArguments._fields}
 
 
-def _counted_positions(arguments: Mapping[str, Any], num_classes: int) -> torch.Tensor:
+def _counted_positions(arguments: Mapping[str, Any], num_classes: int | None) -> torch.Tensor:
     """The positions a "mean" loss divides by, on this rank's rows (for DTensor inputs
     split along rows)."""
     head = gathered(HeadArguments, arguments, STUDENT_NAMES)
@@ -45,10 +45,10 @@ def _counted_positions(arguments: Mapping[str, Any], num_classes: int) -> torch.
 
 
 def _arguments(
-    checked: DivergenceCall, options: LinearCrossEntropyOptions | None, name: str
+    checked: DivergenceCall, options: LinearCrossEntropyOptions | None
 ) -> DivergenceArguments:
     call = checked.call
-    options = resolve_options(options, name)
+    options = resolve_options(options, _NAME)
     return DivergenceArguments(
         call.input,
         call.linear_weight,
@@ -66,7 +66,7 @@ def _arguments(
         PlanOptions.of(options),
         options.allow_retain_graph,
         Needs.of(call.input, call.linear_weight, call.linear_bias),
-        name,
+        _NAME,
     )
 
 
@@ -197,7 +197,7 @@ def linear_divergence(
         return_entropy,
         None if shard is None else shard.total,
     )
-    arguments = _arguments(checked, options, _NAME)
+    arguments = _arguments(checked, options)
     if shard is not None:
         loss, entropy = divergence_on_shard(arguments, shard)
     else:

@@ -301,7 +301,7 @@ def sparse_divergence(
     checked = check_sparse_call(
         _NAME, head, transform, teacher, distillation, None if shard is None else shard.total
     )
-    arguments = _arguments(checked, options, _NAME)
+    arguments = _arguments(checked, options)
     if shard is not None:
         loss = sparse_divergence_on_shard(arguments, shard)
     else:
@@ -310,10 +310,10 @@ def sparse_divergence(
 
 
 def _arguments(
-    checked: SparseDivergenceCall, options: LinearCrossEntropyOptions | None, name: str
+    checked: SparseDivergenceCall, options: LinearCrossEntropyOptions | None
 ) -> SparseDivergenceArguments:
     call = checked.call
-    options = resolve_options(options, name)
+    options = resolve_options(options, _NAME)
     return SparseDivergenceArguments(
         call.input,
         call.linear_weight,
@@ -332,7 +332,7 @@ def _arguments(
         PlanOptions.of(options),
         options.allow_retain_graph,
         Needs.of(call.input, call.linear_weight, call.linear_bias),
-        name,
+        _NAME,
     )
 
 
