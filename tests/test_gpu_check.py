@@ -1,9 +1,11 @@
 """``scripts/gpu_check.sh --dry-run`` on any machine: it prints the commands the GPU check
 runs (the CUDA tests with the eager and the Triton rows, the benchmark's two runs) and
-collects the CUDA tests, which must import and be found without a GPU."""
+collects the CUDA tests, which must import and be found without a GPU; the Triton row
+kernels compile for a GPU; a CUDA call's plan."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -13,6 +15,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Compiles one variant of each Triton row kernel for an H100 (sm_90) to PTX, in a process
+#: without Triton's interpreter: what the interpreter accepts but a GPU's compiler would
+#: refuse (a type that differs between branches, an unsupported construct) fails here.
+_COMPILE = """
+import sys, time
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from linear_ce.engine import triton_row_kernels as kernels
+
+assert not kernels.interpreted
+common = {"stride_r": "i64", "stride_c": "i64", "B": "i32", "V": "i32", "scale": "fp32"}
+blocks = {"BLOCK_R": 2, "BLOCK_V": 256}
+cases = {
+    "stats": ({"X": "*i16", **common, "T": "*i64", "OUT": "*fp32", "out_stride": "i32"},
+              {"HAS_T": True, "DOT": True, "BF16": True}),
+    "grad": ({"X": "*fp16", **common, "M": "*fp32", "A": "*fp32", "Bv": "*fp32",
+              "MU": "*fp32", "T": "*i64", "G": "*fp32"},
+             {"HAS_B": True, "HAS_T": True, "BF16": False}),
+    "fused": ({"X": "*fp32", **common, "T": "*i64", "C0": "*fp32", "C1": "*fp32",
+               "G": "*fp32", "OUT": "*fp32", "out_stride": "i32"}, {"BF16": False}),
+    "pair": ({"S": "*i16", "ss_r": "i64", "ss_c": "i64", "Tt": "*i16", "st_r": "i64",
+              "st_c": "i64", "B": "i32", "V": "i32", "cs": "fp32", "ct": "fp32",
+              "rest": "fp32", "log_beta": "fp32", "log_rest": "fp32", "power": "fp32",
+              "h": "fp32", "TG": "*i64", "W": "*fp32", "OUT": "*fp32", "out_stride": "i32"},
+             {"MODE": 2, "ENTROPY": True, "POWER": True, "HAS_T": True, "HAS_W": True,
+              "BF16": True}),
+}
+for name, (signature, flags) in cases.items():
+    fn = getattr(kernels, name + "_kernel").fn
+    constants = {**flags, **blocks}
+    signature = {**signature, **{k: "constexpr" for k in constants}}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    ptx = compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert ".entry" in ptx, name
+    print(name, "compiled")
+"""
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="the GPU check is a bash script")
@@ -66,3 +105,17 @@ def test_cuda_plan_from_the_gpu_memory(monkeypatch):
     assert tight.rows_per_chunk * tile_row <= plan.CUDA_FREE_MEMORY_SHARE * (256 << 20)
     assert tight.rows_per_chunk == plan.MIN_EFFICIENT_ROWS
     assert not roomy.gemm.class_major and not tight.gemm.class_major
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_compile_for_a_gpu():
+    """Each Triton row kernel (stats, grad, fused, the mixture's pair) compiles for sm_90
+    without a GPU (Triton's own ptxas)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["stats", "compiled", "grad", "compiled", "fused", "compiled",
+                                   "pair", "compiled"]  # fmt: skip
