@@ -177,10 +177,10 @@ def test_pair_shape_mismatch_is_an_error():
 def test_rows_split_over_programs(monkeypatch):
     """A program's rows are independent: 16 rows to a program give each row's result as
     1024 to a program do, bit for bit (stats, grad_, fused_, pair_)."""
-    _, tile = base._tile(70, 300, torch.bfloat16, 3.0, 19, 0)
-    teacher = base._tile(70, 300, torch.bfloat16, 2.0, 20, 0)[1]
-    target = base._targets(70, 300, 19, "some")
-    a, b, mu, gamma = base._row_vectors(70, 19, True)
+    _, tile = base._tile(40, 150, torch.bfloat16, 3.0, 19, 0)
+    teacher = base._tile(40, 150, torch.bfloat16, 2.0, 20, 0)[1]
+    target = base._targets(40, 150, 19, "some")
+    a, b, mu, gamma = base._row_vectors(40, 19, True)
     loops = tr.TritonRows(torch.bfloat16)
     results = []
     for most in (16, 1024):
