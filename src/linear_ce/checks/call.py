@@ -609,8 +609,8 @@ def check_token_call(
     num_classes: int | None = None,
     renamed: Mapping[str, str] | None = None,
 ) -> Call:
-    """Validate a per-token call (``token_logprobs``, ``token_objective`` and their
-    vocab-parallel forms; errors name ``name`` and the arguments as ``renamed`` maps
+    """Validate a per-token call (``token_logprobs``, ``token_objective``, on a whole head
+    or a vocab-parallel shard; errors name ``name`` and the arguments as ``renamed`` maps
     them): integer token ids, a 2-D head, an int ``ignore_index``, bool ``flags``, then
     :func:`check_call` with ``reduction="none"`` and the logits transform."""
     caller = _caller(name, renamed)

@@ -1,5 +1,6 @@
 """Argument checking of a call whose loss is a Python callable run on the chunks' valid
-tokens (``token_objective``, ``sequence_objective`` and their vocab-parallel fronts)."""
+tokens (``token_objective``, ``sequence_objective``, on a whole head or a vocab-parallel
+shard)."""
 
 from __future__ import annotations
 
