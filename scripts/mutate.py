@@ -552,8 +552,8 @@ _SEQUENCE: tuple[Mutation, ...] = (
         "src/linear_ce/engine/chunk_loop.py",
         (
             (
-                "x_op = _scale_rows(x_op, factors, x_rows_buf[:n])",
-                "_scale_rows(x_op, factors, x_rows_buf[:n])",
+                "x_op = _scale_rows(x_op, factors, self.x_rows_buf[:n])",
+                "_scale_rows(x_op, factors, self.x_rows_buf[:n])",
             ),
         ),
         ("tests/test_sequence_objective.py", "-k", "scaled_rows"),
@@ -2621,6 +2621,13 @@ _TRITON_ROWS: tuple[Mutation, ...] = (
             ),
         ),
         _TRITON_TESTS,
+    ),
+    Mutation(
+        "triton_rows",
+        "Triton pair loops: reverse KL's sum not rescaled when the student's max grows",
+        _TRITON_KERNELS,
+        (("rs * (c - (ds - dt) * zs)", "c"),),
+        ("tests/test_triton_rows.py", "-k", "pair_small_blocks"),
     ),
     Mutation(
         "triton_rows",

@@ -217,6 +217,15 @@ def test_small_blocks_against_float64(dtype, monkeypatch):
     base._check_grad(loops, wide, tile, 1 / 0.7, target, True, 29, dtype)
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_pair_small_blocks_against_float64(reverse, monkeypatch):
+    """The pair loops over blocks of 16 classes (both maxima grow block after block: the
+    divergence's, the entropy's and the hard term's sums rescaled each time)."""
+    monkeypatch.setattr(tr, "INTERPRETER_BLOCKS", (1024, 16))
+    case = {**base._PAIR_EDGE, "reverse": reverse}
+    base.test_pair_against_float64.hypothesis.inner_test("f32", case)
+
+
 # The implementation a device's tiles take.
 
 

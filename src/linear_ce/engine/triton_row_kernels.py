@@ -16,8 +16,12 @@ any backend (the interpreter's own bf16 cast truncates).
 - :func:`grad_kernel`: one read and one write: :math:`g = e^u(a + b(u - \mu)) + \gamma[j = t]`.
 - :func:`fused_kernel`: the statistics, then the gradient with :math:`a = (c_0 + c_1
   \mathrm{lse}) / Z`: two reads, one write.
-- :func:`pair_kernel`: the distillation pair loops: both maxima, then the sums, the
-  mixture's terms once :math:`Z_s, Z_t` are known, and the student's gradient.
+- :func:`pair_kernel`: the distillation pair loops: both maxima and the sums in one read
+  (each sum rescaled as a block raises a max, e.g. reverse KL's
+  :math:`C' = r_s(C - (\delta_s - \delta_t) Z_s)`, forward's
+  :math:`C' = r_t(C - (\delta_t - \delta_s) Z_t)`, the entropy's
+  :math:`E' = r_s(E - \delta_s Z_s)`), the mixture's terms in a second once :math:`Z_s, Z_t`
+  are known, the student's gradient in one more read and write.
 """
 
 from __future__ import annotations
@@ -246,17 +250,6 @@ def _pair(S, ss_r, ss_c, Tt, st_r, st_c, B, V, cs, ct, rest, log_beta, log_rest,
     ms = tl.full([BLOCK_R], float("-inf"), tl.float32)
     mt = tl.full([BLOCK_R], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK_R], tl.int32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = rmask[:, None] & (cols < V)[None, :]
-        a = _load(sbase + cols[None, :].to(tl.int64) * ss_c, mask, BF16) * cs
-        b = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct
-        bad = (a != a) | (b != b)
-        nan = nan | tl.max(bad.to(tl.int32), 1)
-        ms = tl.maximum(ms, tl.max(tl.where(mask & (a == a), a, float("-inf")), 1))
-        mt = tl.maximum(mt, tl.max(tl.where(mask & (b == b), b, float("-inf")), 1))
-    ms = tl.where(nan != 0, float("nan"), ms)
-    mt = tl.where(nan != 0, float("nan"), mt)
     zs = tl.zeros([BLOCK_R], tl.float32)
     zt = tl.zeros([BLOCK_R], tl.float32)
     c = tl.zeros([BLOCK_R], tl.float32)
@@ -266,10 +259,37 @@ def _pair(S, ss_r, ss_c, Tt, st_r, st_c, B, V, cs, ct, rest, log_beta, log_rest,
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = rmask[:, None] & (cols < V)[None, :]
-        u = _load(sbase + cols[None, :].to(tl.int64) * ss_c, mask, BF16) * cs - ms[:, None]
-        v = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct - mt[:, None]
-        ea = tl.where(mask, _exp(u), 0.0)
-        eb = tl.where(mask, _exp(v), 0.0)
+        a = _load(sbase + cols[None, :].to(tl.int64) * ss_c, mask, BF16) * cs
+        b = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct
+        bad = (a != a) | (b != b)
+        nan = nan | tl.max(bad.to(tl.int32), 1)
+        a = tl.where(mask, a, float("-inf"))
+        b = tl.where(mask, b, float("-inf"))
+        grown_s = tl.maximum(ms, tl.max(tl.where(a == a, a, float("-inf")), 1))
+        grown_t = tl.maximum(mt, tl.max(tl.where(b == b, b, float("-inf")), 1))
+        # The sums so far rescaled to the grown maxima (a max still -inf moves by 0: its
+        # sums are 0, or the divergence's infinity, which stays).
+        ds = tl.where(ms == float("-inf"), 0.0, grown_s - ms)
+        dt = tl.where(mt == float("-inf"), 0.0, grown_t - mt)
+        rs = _exp(-ds)
+        rt = _exp(-dt)
+        if MODE == 0:
+            c = tl.where(zt == 0.0, c, rt * (c - (dt - ds) * zt))
+        if MODE == 1:
+            c = tl.where(zs == 0.0, c, rs * (c - (ds - dt) * zs))
+        if ENTROPY:
+            d = tl.where(zs == 0.0, d, rs * (d - ds * zs))
+        if POWER:
+            z1 = z1 * _exp(-power * ds)
+        zs = zs * rs
+        zt = zt * rt
+        ms = grown_s
+        mt = grown_t
+        # While every class so far is -inf, so is this block's: its terms are 0.
+        u = a - tl.where(ms == float("-inf"), 0.0, ms)[:, None]
+        v = b - tl.where(mt == float("-inf"), 0.0, mt)[:, None]
+        ea = _exp(u)
+        eb = _exp(v)
         zs += tl.sum(ea, 1)
         zt += tl.sum(eb, 1)
         if MODE == 0:
@@ -279,7 +299,18 @@ def _pair(S, ss_r, ss_c, Tt, st_r, st_c, B, V, cs, ct, rest, log_beta, log_rest,
         if ENTROPY:
             d += tl.sum(tl.where(ea == 0.0, 0.0, ea * u), 1)
         if POWER:
-            z1 += tl.sum(tl.where(mask, _exp(power * u), 0.0), 1)
+            z1 += tl.sum(_exp(power * u), 1)
+    # A NaN logit makes the row's maxima and every sum formed NaN.
+    bad = nan != 0
+    ms = tl.where(bad, float("nan"), ms)
+    mt = tl.where(bad, float("nan"), mt)
+    zs = tl.where(bad, float("nan"), zs)
+    zt = tl.where(bad, float("nan"), zt)
+    c = tl.where(bad, float("nan"), c)
+    if ENTROPY:
+        d = tl.where(bad, float("nan"), d)
+    if POWER:
+        z1 = tl.where(bad, float("nan"), z1)
     shift = tl.log(zs) - tl.log(zt) + log_beta - log_rest
     if MODE == 2:
         for start in range(0, V, BLOCK_V):
