@@ -204,8 +204,9 @@ def _scalar_kernel(args: CrossEntropyArguments) -> tuple[torch.Tensor, ...]:
 
 def _rows_kernel(args: CrossEntropyArguments) -> tuple[torch.Tensor, ...]:
     """``grad_output=None``: per-row ``(loss, z_loss, lse)``, each ``(N, P)``, and empty
-    gradients. With ``grad_output`` ``(N, P)``: the vector-Jacobian product of the loss
-    rows, the gradients in the last three slots."""
+    gradients. With ``grad_output`` ``(N, P)`` (and ``grad_lse`` ``(N, P)``): the
+    vector-Jacobian product of the loss rows (and of the lse rows), the gradients in the
+    last three slots."""
     vocab = LocalVocab(args.linear_weight.shape[0])
     options = args.options.as_options()
     *outputs, grads = _rows(
@@ -246,6 +247,8 @@ def _scalar_setup_context(ctx, inputs, output):
 
 
 def _upstream_rows(args: CrossEntropyArguments, grad_loss: torch.Tensor | None) -> torch.Tensor:
+    """The upstream gradient of each row's loss from the op's ``grad_loss``
+    (:func:`~linear_ce.losses.cross_entropy.loss_upstream`)."""
     acc = acc_dtype_for(args.input.dtype, args.options.acc_dtype)
     return loss_upstream(args.call(), acc, grad_loss)
 
@@ -254,6 +257,8 @@ def _scalar_backward(ctx, grad_loss, _grad_z_loss, grad_lse, *_unused):
     # Without differentiable_lse the lse was not returned: nothing can have used it.
     if grad_lse is None or not ctx.differentiable_lse:
         return SCHEMA.gradients(hand_over(ctx, grad_loss))
+    # The gradients formed in forward are the loss's alone, and the tiles are gone: one
+    # pass as chunked_rows' forms both, each row's loss taking its share of grad_loss.
     release_gradients(ctx)
     args, _ = SCHEMA.saved(ctx)
     rows = _upstream_rows(args, grad_loss)
@@ -269,6 +274,7 @@ def _rows_setup_context(ctx, inputs, output):
 
 def _rows_backward(ctx, grad_loss, _grad_z_loss, grad_lse, *_unused):
     if grad_loss is None and grad_lse is not None:
+        # Only the lse is differentiated: the loss rows' upstream gradient is zero.
         grad_loss = _upstream_rows(SCHEMA.saved(ctx)[0], None)
     return SCHEMA.recompute(chunked_rows, ctx, grad_output=grad_loss, grad_lse=grad_lse)
 
