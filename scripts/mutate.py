@@ -200,6 +200,18 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "loss",
+        'a "none" call whose lse alone is differentiated gets no gradient',
+        "src/linear_ce/ops/cross_entropy.py",
+        (
+            (
+                "        grad_loss = _upstream_rows(SCHEMA.saved(ctx)[0], None)\n",
+                "        return SCHEMA.gradients((None, None, None))\n",
+            ),
+        ),
+        ("tests/test_lse_gradient.py", "-k", "lse_alone"),
+    ),
+    Mutation(
+        "loss",
         "a vocab-parallel mean/sum backward hands over the forward's gradients, dropping the lse's",
         "src/linear_ce/ops/autograd.py",
         (("            if all(g is None for g in grad_outputs[1:]):\n", "            if True:\n"),),
