@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-matrix bench lint format clean mutate docs
+.PHONY: test test-avx2 test-matrix bench lint format clean mutate docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,24 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests examples
 	$(PY) -m ruff format --check src tests examples
 	LINEAR_CE_MEASURE=0 $(PY) -m pytest -q
+
+# An AVX2-only CPU (no AVX-512, no native bf16 GEMMs) on any x86-64 machine: ATen's, MKL's and
+# oneDNN's AVX2 kernels, the compiled row loops built without AVX-512 into a fresh cache
+# directory, CPU half GEMMs off. Runs the tests that compare paths and bounds, the ones whose
+# rounding differs between 8- and 16-lane sums (~3 minutes on 2 cores); the whole suite so:
+# `make test-avx2 AVX2_TESTS=tests`. Fails first if ATen did not take its AVX2 kernels.
+AVX2_CC ?= cc -mno-avx512f
+AVX2_TESTS ?= tests/test_native_rows.py \
+	tests/test_objectives_builtin.py::test_sequence_builtin_matches_formula_float64 \
+	tests/test_sparse_divergence.py::test_float64_reference_own_error \
+	tests/test_machine_plan.py::test_bench_reports_the_distillation_plan
+test-avx2: $(STAMP)
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 CC="$(AVX2_CC)" \
+		LINEAR_CE_NATIVE_HALF_GEMM=0 LINEAR_CE_CACHE_DIR="$$cache" LINEAR_CE_MEASURE=0 && \
+	$(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+		assert c == 'AVX2', f'ATEN_CPU_CAPABILITY=avx2 not taken: {c}'" && \
+	$(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
 # The supported-versions matrix (docs/versions.md) beyond `make test`'s torch 2.13
 # CPU build: torch:transformers:python rows, each in its own virtual environment
