@@ -564,8 +564,8 @@ _SEQUENCE: tuple[Mutation, ...] = (
         "src/linear_ce/engine/chunk_loop.py",
         (
             (
-                "x_op = _scale_rows(x_op, factors, x_rows_buf[:n])",
-                "_scale_rows(x_op, factors, x_rows_buf[:n])",
+                "x_op = _scale_rows(x_op, factors, self.x_rows_buf[:n])",
+                "_scale_rows(x_op, factors, self.x_rows_buf[:n])",
             ),
         ),
         ("tests/test_sequence_objective.py", "-k", "scaled_rows"),

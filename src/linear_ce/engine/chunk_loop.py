@@ -260,241 +260,438 @@ def run_chunks(
     ``rows_once``: no row is in two of ``chunks`` and there is one position, so a half
     input's gradient is written per chunk in its own dtype (see the module doc); without
     ``grad_scale`` (a head folds its scale into its upstream gradients). A head with
-    ``scaled_rows`` needs it, as its input gradient's rows are scaled as they are written."""
-    rows, in_features = input.shape
-    local_classes, positions, _ = weight.shape
-    vocab = vocab or LocalVocab(local_classes)
-    acc, device, gemm = plan.acc_dtype, input.device, plan.gemm
-    want_grads = grad_input or grad_weight or grad_bias
+    ``scaled_rows`` needs it, as its input gradient's rows are scaled as they are written.
 
-    chunk = min(plan.rows_per_chunk, max(rows, 1))
+    The loop's strategy follows the chunk's tile (:func:`_loop_kind`): one set-up of
+    buffers and gradient sums (:class:`_ChunkLoop`), one body per tile kind, one finish."""
+    vocab = vocab or LocalVocab(weight.shape[0])
+    chunk, step = _chunk_and_step(plan, input.shape[0])
     if chunks is None:
-        chunks = row_chunks(head.valid, chunk, device)
-    # A half tile (see the module doc): the chunk's logits and gradient in the input
-    # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
-    step = min(plan.rows_per_step, chunk)
+        chunks = row_chunks(head.valid, chunk, input.device)
     half = step < chunk
-    buffer = gemm.half_tile_buffer if half else gemm.logits_buffer
-    half_tile = buffer(chunk, local_classes, input.dtype, device) if half else None
+    acc = plan.acc_dtype
     # The compiled row loops (see the module doc) where the head and the call allow them.
     native = _native_rows(input, acc, head, transform, vocab, bias, companion, half)
     # ... and over the student's and the companion's tiles together (see the module doc).
-    pair = _native_pair(input, acc, head, transform, vocab, bias, companion, gemm)
-    loops = native is not None or pair is not None
+    pair = _native_pair(input, acc, head, transform, vocab, bias, companion, plan.gemm)
+    loop = _loop_kind(half, native, pair)(
+        input,
+        weight,
+        bias,
+        head,
+        transform,
+        plan,
+        needs=Needs(grad_input, grad_weight, grad_bias),
+        vocab=vocab,
+        companion=companion,
+        chunks=chunks,
+        grad_scale=grad_scale,
+        rows_once=rows_once,
+        loops=(native, pair),
+    )
+    return loop.run()
+
+
+def _chunk_and_step(plan: Plan, rows: int) -> tuple[int, int]:
+    """The rows of a chunk, and of a step of its fp32 math: fewer on a half tile (see the
+    module doc)."""
+    chunk = min(plan.rows_per_chunk, max(rows, 1))
+    return chunk, min(plan.rows_per_step, chunk)
+
+
+def _loop_kind(half: bool, native: RowLoops | None, pair: RowLoops | None) -> type[_ChunkLoop]:
+    """The one place a call's loop strategy is chosen, by its tile: the compiled loops on a
+    half tile, the pair loops on the student's and the companion's tiles, torch's row math
+    a step at a time on a half tile, else one fp32 tile (the compiled loops' or torch's)."""
+    if native is not None and half:
+        return _NativeHalfLoop
     if pair is not None:
-        tile = pair_buffer(gemm, chunk, local_classes, acc, device)
-    else:
-        tile = None if native and half else buffer(step, local_classes, acc, device)
-    exp_tile = (
-        buffer(step, local_classes, acc, device)
-        if not loops and keeps_second_tile(head.keeps_logits, want_grads, companion is not None)
-        else None
-    )
-    exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
-    exp_block = (
-        buffer(step, exp_step, acc, device)
-        if not loops and head.keeps_logits and exp_tile is None
-        else None
-    )
-    block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
-    sech2 = (
-        buffer(step, local_classes, acc, device)
-        if not loops and want_grads and transform.softcap is not None
-        else None
-    )
-    # The input gradient in its own dtype, written once per row (see the module doc).
-    narrow = rows_once and grad_input and input.dtype != acc
-    x_rows_buf, gx_rows_buf = gather_buffers(chunks, chunk, input, acc, grad_input and not narrow)
-    # Two sweeps (see the module doc) keep every step's statistics for the chunk.
-    after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
-    scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
-    # The compiled loops visit a chunk's rows once for statistics and once for gradients.
-    two_sweeps = after_chunk and not scaled_rows and not native
-    if rows_once and (positions != 1 or grad_scale is not None):
-        raise ValueError("run_chunks: rows_once is for one position and no grad_scale")
-    if scaled_rows and grad_input and not narrow:
-        raise ValueError("run_chunks: a head with scaled_rows writes its input gradient once")
-    if narrow and not half:
-        # fp32 products (not a half tile's GEMMs): each chunk's sum is rounded once, aside.
-        gx_rows_buf = torch.empty((chunk, in_features), dtype=acc, device=device)
-    if scaled_rows and grad_weight and x_rows_buf is None:
-        # The rows of x times their factors are formed aside, consecutive chunks too.
-        x_rows_buf = torch.empty((chunk, in_features), dtype=input.dtype, device=device)
-    factors = None
-    # Without gradients (and late sums) a head's outputs need its rows' statistics alone:
-    # a half tile's steps keep them for the chunk, combined and handed to the head once
-    # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
-    # floor at 16-row steps on 2 Sapphire Rapids cores).
-    chunk_stats = half and not want_grads and not head.late_sums
-    kept = chunk if two_sweeps or chunk_stats or loops else step
-    stats_buf = torch.empty((kept, 1 + head.extra_sums), dtype=acc, device=device)
-    late_buf = torch.empty((kept, head.late_sums), dtype=acc, device=device)
-    max_buf = torch.empty((kept,), dtype=acc, device=device) if two_sweeps or chunk_stats else None
-    if companion is not None:
-        other = _CompanionBuffers(
-            companion, chunk, local_classes, acc, x_rows_buf is not None, pair and gemm
+        return _PairLoop
+    if half:
+        return _HalfTileLoop
+    return _FullTileLoop if native is None else _NativeFullLoop
+
+
+class _ChunkLoop:
+    """The set-up every loop strategy shares (a call's tiles, row buffers, statistics and
+    gradient sums, allocated once and reused by every chunk), the loop over positions and
+    chunks, the gradient GEMMs of a chunk and the finish. A strategy writes one method,
+    :meth:`chunk_rows`: a chunk's logits GEMM and row math."""
+
+    def __init__(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: Head,
+        transform: LogitTransform,
+        plan: Plan,
+        *,
+        needs: Needs,
+        vocab: Vocab,
+        companion: Companion | None,
+        chunks: list[list[RowChunk]],
+        grad_scale: torch.Tensor | None,
+        rows_once: bool,
+        loops: tuple[RowLoops | None, RowLoops | None],
+    ) -> None:
+        self.input, self.weight, self.bias, self.head = input, weight, bias, head
+        self.transform, self.plan, self.vocab, self.chunks = transform, plan, vocab, chunks
+        self.companion, self.native, self.pair = companion, *loops
+        native, pair = loops
+        self.grad_input, self.grad_weight, self.grad_bias = needs
+        grad_input, grad_weight = needs.input, needs.weight
+        self.want_grads = want_grads = any(needs)
+        rows, in_features = input.shape
+        self.classes, positions, _ = weight.shape
+        acc, device, gemm = plan.acc_dtype, input.device, plan.gemm
+        self.acc, self.device, self.gemm = acc, device, gemm
+        self.chunk, self.step = chunk, step = _chunk_and_step(plan, rows)
+        self.half = half = step < chunk
+        self._tiles(companion is not None)
+        narrow = rows_once and grad_input and input.dtype != acc
+        self.narrow = narrow
+        x_rows_buf, gx_rows_buf = gather_buffers(
+            chunks, chunk, input, acc, grad_input and not narrow
+        )
+        # Two sweeps (see the module doc) keep every step's statistics for the chunk.
+        after_chunk = half and want_grads and getattr(head, "grads_after_chunk", False)
+        self.scaled_rows = scaled_rows = after_chunk and getattr(head, "scaled_rows", False)
+        # The compiled loops visit a chunk's rows once for statistics and once for gradients.
+        self.two_sweeps = two_sweeps = after_chunk and not scaled_rows and not native
+        if rows_once and (positions != 1 or grad_scale is not None):
+            raise ValueError("run_chunks: rows_once is for one position and no grad_scale")
+        if scaled_rows and grad_input and not narrow:
+            raise ValueError("run_chunks: a head with scaled_rows writes its input gradient once")
+        if narrow and not half:
+            # fp32 products (not a half tile's GEMMs): each chunk's sum is rounded once, aside.
+            gx_rows_buf = torch.empty((chunk, in_features), dtype=acc, device=device)
+        if scaled_rows and grad_weight and x_rows_buf is None:
+            # The rows of x times their factors are formed aside, consecutive chunks too.
+            x_rows_buf = torch.empty((chunk, in_features), dtype=input.dtype, device=device)
+        self.x_rows_buf, self.gx_rows_buf = x_rows_buf, gx_rows_buf
+        #: A chunk's row factors (``scaled_rows``), set by the strategy, read by the GEMMs.
+        self.factors: torch.Tensor | None = None
+        # Without gradients (and late sums) a head's outputs need its rows' statistics alone:
+        # a half tile's steps keep them for the chunk, combined and handed to the head once
+        # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
+        # floor at 16-row steps on 2 Sapphire Rapids cores).
+        self.chunk_stats = chunk_stats = half and not want_grads and not head.late_sums
+        loops = native is not None or pair is not None
+        kept = chunk if two_sweeps or chunk_stats or loops else step
+        self.stats_buf = torch.empty((kept, 1 + head.extra_sums), dtype=acc, device=device)
+        self.late_buf = torch.empty((kept, head.late_sums), dtype=acc, device=device)
+        self.max_buf = (
+            torch.empty((kept,), dtype=acc, device=device) if two_sweeps or chunk_stats else None
+        )
+        if companion is not None:
+            self.other = _CompanionBuffers(
+                companion, chunk, self.classes, acc, x_rows_buf is not None, pair and gemm
+            )
+        self._gradient_sums(grad_scale, narrow)
+
+    def _tiles(self, companion: bool) -> None:
+        """The chunk's tiles: a half tile, the tile the row math runs on (none where the
+        compiled loops write over the half tile), and torch's row math's: ``eᵘ`` (a tile, or
+        a block of columns), a softcap's derivative."""
+        step, classes, acc, device = self.step, self.classes, self.acc, self.device
+        loops = self.native is not None or self.pair is not None
+        head, want_grads = self.head, self.want_grads
+        # A half tile (see the module doc): the chunk's logits and gradient in the input
+        # dtype, the fp32 math a step of rows at a time in a tile of that many rows.
+        buffer = self.gemm.half_tile_buffer if self.half else self.gemm.logits_buffer
+        self.buffer = buffer
+        self.half_tile = (
+            buffer(self.chunk, classes, self.input.dtype, device) if self.half else None
+        )
+        if self.pair is not None:
+            self.tile = pair_buffer(self.gemm, self.chunk, classes, acc, device)
+        else:
+            native_half = self.native is not None and self.half
+            self.tile = None if native_half else buffer(step, classes, acc, device)
+        self.exp_tile = (
+            buffer(step, classes, acc, device)
+            if not loops and keeps_second_tile(head.keeps_logits, want_grads, companion)
+            else None
+        )
+        exp_step = max(1, EXP_BLOCK_ELEMENTS // step)
+        self.exp_block = (
+            buffer(step, exp_step, acc, device)
+            if not loops and head.keeps_logits and self.exp_tile is None
+            else None
+        )
+        self.block_sums = torch.empty((step, head.extra_sums), dtype=acc, device=device)
+        self.sech2 = (
+            buffer(step, classes, acc, device)
+            if not loops and want_grads and self.transform.softcap is not None
+            else None
         )
 
-    grad_x = (
-        torch.zeros((rows, in_features), dtype=input.dtype if narrow else acc, device=device)
-        if grad_input
-        else None
-    )
-    if grad_scale is not None:
-        grad_scale = grad_scale.to(acc)
-    grad_w = weight_grad_sum(plan, weight.shape, device, grad_scale) if grad_weight else None
-    grad_b = (
-        torch.zeros((local_classes, positions), dtype=acc, device=device) if grad_bias else None
-    )
+    def _gradient_sums(self, grad_scale: torch.Tensor | None, narrow: bool) -> None:
+        """The gradients' sums over chunks: the input's in its own dtype where each row is
+        written once (``narrow``), else in ``acc``; the weight's (:func:`weight_grad_sum`)."""
+        acc, device, (rows, in_features) = self.acc, self.device, self.input.shape
+        self.grad_x = (
+            torch.zeros(
+                (rows, in_features), dtype=self.input.dtype if narrow else acc, device=device
+            )
+            if self.grad_input
+            else None
+        )
+        self.grad_scale = None if grad_scale is None else grad_scale.to(acc)
+        self.grad_w = (
+            weight_grad_sum(self.plan, self.weight.shape, device, self.grad_scale)
+            if self.grad_weight
+            else None
+        )
+        self.grad_b = (
+            torch.zeros((self.classes, self.weight.shape[1]), dtype=acc, device=device)
+            if self.grad_bias
+            else None
+        )
 
-    def transformed(u: torch.Tensor, b_p) -> None:
+    def chunk_rows(
+        self,
+        x_op: torch.Tensor,
+        w_op: torch.Tensor,
+        b_p: torch.Tensor | None,
+        rows: RowChunk,
+        p: int,
+        n: int,
+    ) -> torch.Tensor | None:
+        """The logits GEMM of ``n`` ``rows`` at position ``p`` and their row math: ``factor ·
+        ∂L/∂s`` in a tile (the gradient GEMMs' operand), or ``None`` where none is formed."""
+        raise NotImplementedError
+
+    def run(self) -> Gradients:
+        """Every position's chunks, then the gradients (:meth:`finish`)."""
+        gemm, bias, weight = self.gemm, self.bias, self.weight
+        for p in range(weight.shape[1]):
+            w_op = gemm.weight_operand(weight[:, p, :])
+            b_p = None if bias is None else bias[:, p].to(self.acc)
+            for rows in self.chunks[p]:
+                n = chunk_size(rows)
+                x_op = gemm.operand(rows_of(self.input, rows, self.x_rows_buf))
+                g = self.chunk_rows(x_op, w_op, b_p, rows, p, n)
+                if g is None or not (self.grad_input or self.grad_weight):
+                    continue
+                self.gradient_gemms(g, x_op, w_op, rows, p, n)
+        return self.finish()
+
+    def gradient_gemms(
+        self,
+        g: torch.Tensor,
+        x_op: torch.Tensor,
+        w_op: torch.Tensor,
+        rows: RowChunk,
+        p: int,
+        n: int,
+    ) -> None:
+        """A chunk's gradient tile ``g`` into the weight's and the input's gradients."""
+        gemm, factors = self.gemm, self.factors
+        g_op = gemm.operand(g)
+        # The weight gradient first: its operand x (gathered or scaled) is then free to
+        # hold a half tile's input-gradient rows (``narrow``).
+        if self.grad_weight:
+            if factors is not None:
+                x_op = _scale_rows(x_op, factors, self.x_rows_buf[:n])
+            self.grad_w.add(p, g_op, x_op)
+        if self.narrow:
+            part = self.x_rows_buf if self.half else self.gx_rows_buf
+            _write_grad_input_rows(gemm, self.grad_x, rows, g_op, w_op, part, factors)
+        elif self.grad_input:
+            add_grad_input_rows(gemm, self.grad_x, rows, g_op, w_op, self.gx_rows_buf)
+
+    def finish(self) -> Gradients:
+        """The sums times ``grad_scale``, rounded to the input dtype."""
+        grad_x, grad_b, grad_scale = self.grad_x, self.grad_b, self.grad_scale
+        out_dtype = self.plan.input_dtype
+        if grad_scale is not None:
+            for sums in (grad_x, grad_b):
+                if sums is not None:
+                    sums.mul_(grad_scale)
+        return Gradients(
+            input=None if grad_x is None else grad_x.to(out_dtype),
+            weight=None if self.grad_w is None else self.grad_w.finish(grad_scale),
+            bias=None if grad_b is None else grad_b.to(out_dtype),
+        )
+
+
+class _TorchRowsLoop(_ChunkLoop):
+    """Torch's row math on an fp32 tile of raw logits (shared by the strategies that run
+    it: a whole chunk's tile, a half tile's steps)."""
+
+    def transformed(self, u: torch.Tensor, b_p: torch.Tensor | None) -> None:
         """The logits transform of raw logits ``u``, in place."""
         if b_p is not None:
             u.add_(b_p)
-        transform.apply_(u, None if sech2 is None else sech2[: u.shape[0]])
+        self.transform.apply_(u, None if self.sech2 is None else self.sech2[: u.shape[0]])
 
-    def rows_math(u: torch.Tensor, chunk_rows, p: int, b_p, at: int = 0) -> torch.Tensor | None:
+    def rows_math(
+        self, u: torch.Tensor, rows: RowChunk, p: int, b_p: torch.Tensor | None, at: int = 0
+    ) -> torch.Tensor | None:
         """Everything between the logits GEMM and the gradient GEMMs for the rows of
         ``u`` (their raw logits): ``factor · ∂L/∂s`` in a tile, or ``None`` without
         gradients (or with two sweeps, whose first keeps the statistics from row ``at``
         of the chunk's buffers; with ``chunk_stats`` only those row sums and maxima)."""
-        n = u.shape[0]
-        transformed(u, b_p)
-        if companion is not None:
-            head.companion_tile(other.logits(chunk_rows, p, n, vocab), chunk_rows, p)
+        head, vocab, n = self.head, self.vocab, u.shape[0]
+        self.transformed(u, b_p)
+        if self.companion is not None:
+            head.companion_tile(self.other.logits(rows, p, n, vocab), rows, p)
 
+        max_buf = self.max_buf
         row_max = tile_row_max(u, None if max_buf is None else max_buf[at : at + n])
         vocab.max_(row_max)
         u.sub_(row_max[:, None])
-        stats = stats_buf[at : at + n]
-        head.sums_before_exp(u, chunk_rows, p, stats[:, 1:])
-        if exp_block is not None:
-            _sums_in_blocks(head, u, exp_block[:n], stats, block_sums[:n], plan.exp2)
+        stats = self.stats_buf[at : at + n]
+        head.sums_before_exp(u, rows, p, stats[:, 1:])
+        if self.exp_block is not None:
+            _sums_in_blocks(head, u, self.exp_block[:n], stats, self.block_sums[:n], self.plan.exp2)
             e = None
         else:
-            e = _exp(u, u if exp_tile is None else exp_tile[:n], plan.exp2)
+            e = _exp(u, u if self.exp_tile is None else self.exp_tile[:n], self.plan.exp2)
             row_sum(e, stats[:, 0])
             head.sums_after_exp(u, e, stats[:, 1:])
-        if chunk_stats:
+        if self.chunk_stats:
             return None
         vocab.sum_(stats)
         row_stats = RowStats.of(row_max, stats)
         if head.late_sums:
-            late = late_buf[at : at + n]
+            late = self.late_buf[at : at + n]
             head.sums_after_stats(u, e, row_stats, late)
             vocab.sum_(late)
             row_stats.late = late
-        head.rows_done(chunk_rows, p, row_stats)
-        if not want_grads or two_sweeps:
+        head.rows_done(rows, p, row_stats)
+        if not self.want_grads or self.two_sweeps:
             return None
-        return grad_math(u, e, chunk_rows, p, row_stats)
+        return self.grad_math(u, e, rows, p, row_stats)
 
-    def grad_math(u: torch.Tensor, e, chunk_rows, p: int, row_stats: RowStats) -> torch.Tensor:
+    def grad_math(
+        self, u: torch.Tensor, e: torch.Tensor | None, rows: RowChunk, p: int, row_stats: RowStats
+    ) -> torch.Tensor:
         """``factor · ∂L/∂s`` of the rows of ``u`` (``u = s − max``, ``e = eᵘ``) in a tile."""
         n = u.shape[0]
-        g = head.grad_tile(u, e, chunk_rows, p, row_stats, transform.factor)
-        if sech2 is not None:
-            g.mul_(sech2[:n])
-        if grad_bias:
-            grad_b[:, p].add_(g.sum(0))
+        g = self.head.grad_tile(u, e, rows, p, row_stats, self.transform.factor)
+        if self.sech2 is not None:
+            g.mul_(self.sech2[:n])
+        if self.grad_bias:
+            self.grad_b[:, p].add_(g.sum(0))
         return g
 
-    for p in range(positions):
-        w_op = gemm.weight_operand(weight[:, p, :])
-        b_p = None if bias is None else bias[:, p].to(acc)
-        for chunk_rows in chunks[p]:
-            n = chunk_size(chunk_rows)
-            x_op = gemm.operand(rows_of(input, chunk_rows, x_rows_buf))
-            if native and half:
-                g = half_tile[:n]
-                gemm.half_logits(g, x_op, w_op)
-                if not _native_chunk(
-                    native, g, head, chunk_rows, p, transform, stats_buf[:n], want_grads
-                ):
-                    continue
-                if scaled_rows:
-                    factors = head.row_factors(chunk_rows, p)
-            elif pair is not None:
-                g = tile[:n]
-                _pair_logits(gemm, g, x_op, w_op)
-                teacher = other.raw_logits(chunk_rows, p, n)
-                if not _pair_chunk(
-                    pair, g, teacher, head, chunk_rows, p, transform, other, stats_buf[:n],
-                    want_grads,
-                ):  # fmt: skip
-                    continue
-            elif half:
-                if tile is None:
-                    tile = buffer(step, local_classes, acc, device)
-                logits = half_tile[:n]
-                gemm.half_logits(logits, x_op, w_op)
-                for start in range(0, n, step):
-                    part = slice(start, min(start + step, n))
-                    u = tile[: part.stop - start]
-                    u.copy_(logits[part])
-                    at = start if two_sweeps or chunk_stats else 0
-                    g = rows_math(u, _sub_rows(chunk_rows, part), p, b_p, at)
-                    if g is not None:
-                        logits[part].copy_(g)
-                if chunk_stats:
-                    stats = stats_buf[:n]
-                    vocab.sum_(stats)
-                    head.rows_done(chunk_rows, p, RowStats.of(max_buf[:n], stats))
-                if two_sweeps:
-                    for start in range(0, n, step):
-                        part = slice(start, min(start + step, n))
-                        u = tile[: part.stop - start]
-                        u.copy_(logits[part])
-                        transformed(u, b_p)
-                        u.sub_(max_buf[part, None])
-                        e = _exp(u, u if exp_tile is None else exp_tile[: u.shape[0]], plan.exp2)
-                        row_stats = RowStats.of(max_buf[part], stats_buf[part])
-                        if head.late_sums:
-                            row_stats.late = late_buf[part]
-                        sub_rows = _sub_rows(chunk_rows, part)
-                        logits[part].copy_(grad_math(u, e, sub_rows, p, row_stats))
-                if scaled_rows:
-                    factors = head.row_factors(chunk_rows, p)
-                    # No step tile during the gradient GEMMs, whose own buffers then take
-                    # its place at the peak (bf16 DPO, N=2048, 32-row steps: 4 MiB, the
-                    # input gradient's GEMM 3.7 MiB with two threads); made again per chunk.
-                    tile = u = None
-                g = logits
-            else:
-                u = tile[:n]
-                gemm.logits(u, x_op, w_op)
-                if native:
-                    written = _native_chunk(
-                        native, u, head, chunk_rows, p, transform, stats_buf[:n], want_grads
-                    )
-                    g = u if written else None
-                else:
-                    g = rows_math(u, chunk_rows, p, b_p)
-            if g is None or not (grad_input or grad_weight):
-                continue
-            g_op = gemm.operand(g)
-            # The weight gradient first: its operand x (gathered or scaled) is then free to
-            # hold a half tile's input-gradient rows (``narrow``).
-            if grad_weight:
-                if factors is not None:
-                    x_op = _scale_rows(x_op, factors, x_rows_buf[:n])
-                grad_w.add(p, g_op, x_op)
-            if narrow:
-                part = x_rows_buf if half else gx_rows_buf
-                _write_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, part, factors)
-            elif grad_input:
-                add_grad_input_rows(gemm, grad_x, chunk_rows, g_op, w_op, gx_rows_buf)
 
-    out_dtype = plan.input_dtype
-    if grad_scale is not None:
-        for sums in (grad_x, grad_b):
-            if sums is not None:
-                sums.mul_(grad_scale)
-    return Gradients(
-        input=None if grad_x is None else grad_x.to(out_dtype),
-        weight=None if grad_w is None else grad_w.finish(grad_scale),
-        bias=None if grad_b is None else grad_b.to(out_dtype),
-    )
+class _FullTileLoop(_TorchRowsLoop):
+    """Torch's row math on a chunk's fp32 tile."""
+
+    def chunk_rows(self, x_op, w_op, b_p, rows, p, n):
+        u = self.tile[:n]
+        self.gemm.logits(u, x_op, w_op)
+        return self.rows_math(u, rows, p, b_p)
+
+
+class _HalfTileLoop(_TorchRowsLoop):
+    """Torch's row math on a half tile, a step of rows at a time in an fp32 tile; each
+    step's gradient written back over its logits (see the module doc: one sweep, two
+    sweeps for ``grads_after_chunk``, the factors of ``scaled_rows``)."""
+
+    def chunk_rows(self, x_op, w_op, b_p, rows, p, n):
+        if self.tile is None:
+            self.tile = self.buffer(self.step, self.classes, self.acc, self.device)
+        logits = self.half_tile[:n]
+        self.gemm.half_logits(logits, x_op, w_op)
+        self._first_sweep(logits, b_p, rows, p, n)
+        if self.chunk_stats:
+            stats = self.stats_buf[:n]
+            self.vocab.sum_(stats)
+            self.head.rows_done(rows, p, RowStats.of(self.max_buf[:n], stats))
+        if self.two_sweeps:
+            self._gradient_sweep(logits, b_p, rows, p, n)
+        if self.scaled_rows:
+            self.factors = self.head.row_factors(rows, p)
+            # No step tile during the gradient GEMMs, whose own buffers then take
+            # its place at the peak (bf16 DPO, N=2048, 32-row steps: 4 MiB, the
+            # input gradient's GEMM 3.7 MiB with two threads); made again per chunk.
+            self.tile = None
+        return logits
+
+    def _first_sweep(self, logits, b_p, rows, p, n) -> None:
+        """Each step's row math; its gradient (one sweep) written back over its logits."""
+        tile, step, two_sweeps, chunk_stats = (
+            self.tile,
+            self.step,
+            self.two_sweeps,
+            self.chunk_stats,
+        )
+        for start in range(0, n, step):
+            part = slice(start, min(start + step, n))
+            u = tile[: part.stop - start]
+            u.copy_(logits[part])
+            at = start if two_sweeps or chunk_stats else 0
+            g = self.rows_math(u, _sub_rows(rows, part), p, b_p, at)
+            if g is not None:
+                logits[part].copy_(g)
+
+    def _gradient_sweep(self, logits, b_p, rows, p, n) -> None:
+        """Each step widened again, ``eᵘ`` formed from the kept row max, its gradient written
+        back over its logits (the second of two sweeps)."""
+        tile, exp_tile, max_buf = self.tile, self.exp_tile, self.max_buf
+        for start in range(0, n, self.step):
+            part = slice(start, min(start + self.step, n))
+            u = tile[: part.stop - start]
+            u.copy_(logits[part])
+            self.transformed(u, b_p)
+            u.sub_(max_buf[part, None])
+            e = _exp(u, u if exp_tile is None else exp_tile[: u.shape[0]], self.plan.exp2)
+            row_stats = RowStats.of(max_buf[part], self.stats_buf[part])
+            if self.head.late_sums:
+                row_stats.late = self.late_buf[part]
+            sub_rows = _sub_rows(rows, part)
+            logits[part].copy_(self.grad_math(u, e, sub_rows, p, row_stats))
+
+
+class _NativeFullLoop(_ChunkLoop):
+    """The compiled row loops on a chunk's fp32 tile, its gradient written over it."""
+
+    def chunk_rows(self, x_op, w_op, b_p, rows, p, n):
+        u = self.tile[:n]
+        self.gemm.logits(u, x_op, w_op)
+        written = _native_chunk(
+            self.native, u, self.head, rows, p, self.transform, self.stats_buf[:n],
+            self.want_grads,
+        )  # fmt: skip
+        return u if written else None
+
+
+class _NativeHalfLoop(_ChunkLoop):
+    """The compiled row loops on a chunk's half tile, its gradient written over it (and
+    the chunk's row factors taken, ``scaled_rows``)."""
+
+    def chunk_rows(self, x_op, w_op, b_p, rows, p, n):
+        g = self.half_tile[:n]
+        self.gemm.half_logits(g, x_op, w_op)
+        if not _native_chunk(
+            self.native, g, self.head, rows, p, self.transform, self.stats_buf[:n],
+            self.want_grads,
+        ):  # fmt: skip
+            return None
+        if self.scaled_rows:
+            self.factors = self.head.row_factors(rows, p)
+        return g
+
+
+class _PairLoop(_ChunkLoop):
+    """The pair loops on the raw logits of the student's tile and the companion's, the
+    student's gradient written over its tile."""
+
+    def chunk_rows(self, x_op, w_op, b_p, rows, p, n):
+        g = self.tile[:n]
+        _pair_logits(self.gemm, g, x_op, w_op)
+        teacher = self.other.raw_logits(rows, p, n)
+        if not _pair_chunk(
+            self.pair, g, teacher, self.head, rows, p, self.transform, self.other,
+            self.stats_buf[:n], self.want_grads,
+        ):  # fmt: skip
+            return None
+        return g
 
 
 def run_head(
