@@ -339,8 +339,8 @@ _LOSS: tuple[Mutation, ...] = (
         "src/linear_ce/engine/plan.py",
         (
             (
-                "        if not gradients and stretch > 1.0 and not half_cpu",
-                "        if not gradients and stretch > 2.0 and not half_cpu",
+                "    if not gradients and stretch > 1.0 and not half_cpu",
+                "    if not gradients and stretch > 2.0 and not half_cpu",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "without_gradients"),
@@ -474,6 +474,18 @@ _LOSS: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_bench.py", "-k", "progress_lines"),
+    ),
+    Mutation(
+        "machine_plan",
+        "the bench's plot draws the memory bar of a peer measured at fewer rows",
+        "src/linear_ce/bench/report.py",
+        (
+            (
+                "                if value is None:  # a peer measured at fewer rows has no memory\n                    continue\n",
+                "",
+            ),
+        ),
+        ("tests/test_bench.py", "-k", "without_memory"),
     ),
     Mutation(
         "machine_plan",
@@ -2419,8 +2431,8 @@ _STATS_PASS = (
         "src/linear_ce/engine/plan.py",
         (
             (
-                "        if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:\n",
-                "        if False:\n",
+                "    if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:\n",
+                "    if False:\n",
             ),
         ),
         ("tests/test_machine_plan.py", "-k", "half_blocks"),

@@ -662,3 +662,33 @@ def test_half_rows_own_ratio_reads_the_faster_floor_each_round():
     ours = rows[-1]
     assert ours.own_ratio == pytest.approx((1.1 / 1.0 + 0.6 / 0.5) / 2)
     assert ours.ratio == pytest.approx((1.1 + 0.6) / 2)
+
+
+def test_a_peer_without_memory_is_drawn_in_time_only():
+    """A peer measured at fewer rows has a time and no memory: its time is drawn, bar or
+    line, and its memory left out."""
+    import matplotlib.pyplot as plt
+
+    from linear_ce.bench import report
+
+    def row(variant, ratio, peak_ratio):
+        return report.Row(variant, "train", "floor", 1.0, ratio, None, peak_ratio, "")
+
+    summaries = [
+        (config.Point(8, 4, 16, "fp32", "cpu"), [row("plain", 2.0, None), row("floor", 1.0, 2.0)]),
+        (config.Point(8, 4, 32, "fp32", "cpu"), [row("plain", 3.0, None), row("floor", 1.0, 2.5)]),
+        (config.Point(8, 4, 16, "bf16", "cpu"), [row("plain", 300.0, None), row("floor", 1, 2)]),
+    ]
+    fig = report.plot(summaries, "V", "title")
+    time_fp32, time_bf16, memory_fp32, memory_bf16 = fig.axes
+    assert {line.get_label(): list(line.get_ydata()) for line in time_fp32.get_lines()} == {
+        "floor": [1.0, 1.0],
+        "plain": [2.0, 3.0],
+    }
+    assert {line.get_label(): list(line.get_ydata()) for line in memory_fp32.get_lines()} == {
+        "floor": [2.0, 2.5],
+        "plain": [],
+    }
+    assert [bar.get_height() for bar in time_bf16.patches] == [300.0, 1]
+    assert [bar.get_height() for bar in memory_bf16.patches] == [2]
+    plt.close(fig)

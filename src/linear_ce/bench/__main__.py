@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         for t in _print_targets(console, checked, args.shape_list[0], args.in_process)
     ]
     dim = args.sweep_spec[0] if args.sweep_spec else "V"
-    report.write_plot([s for s in summaries if s[0].swept], dim, Path(args.plot), title)
     report.write_json(summaries, meta, Path(args.json), in_summaries)
+    report.write_plot([s for s in summaries if s[0].swept], dim, Path(args.plot), title)
     console.print(f"plot: {args.plot}   json: {args.json}")
     return 0
 

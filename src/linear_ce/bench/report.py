@@ -288,8 +288,9 @@ def _draw_lines(axes, summaries: list[tuple[Point, list[Row]]], dim: str) -> Non
         where = ", ".join(f"{d}={v}" for d, v in zip(fixed, others, strict=True))
         label = f"{variant} ({where})" if several else variant
         for ax, (field, _) in zip(axes, _PANELS, strict=True):
-            ys = [getattr(row, field) for _, row in line]
-            ax.plot([x for x, _ in line], ys, label=label, **_style(variant))
+            # A peer measured at fewer rows has no memory: its points are left out.
+            drawn = [(x, getattr(row, field)) for x, row in line if getattr(row, field) is not None]
+            ax.plot([x for x, _ in drawn], [y for _, y in drawn], label=label, **_style(variant))
     for ax, (_, ylabel) in zip(axes, _PANELS, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -309,6 +310,8 @@ def _draw_bars(axes, summaries: list[tuple[Point, list[Row]]]) -> None:
             style = _style(row.variant)
             for ax, (field, _) in zip(axes, _PANELS, strict=True):
                 value = getattr(row, field)
+                if value is None:  # a peer measured at fewer rows has no memory
+                    continue
                 ax.bar(
                     x,
                     value,
