@@ -27,8 +27,10 @@ test: $(STAMP)
 
 # An AVX2-only CPU (no AVX-512, no native bf16 GEMMs) on any x86-64 machine: ATen's, MKL's and
 # oneDNN's AVX2 kernels, the compiled row loops built without AVX-512 into a fresh cache
-# directory, CPU half GEMMs off. Runs the tests that compare paths and bounds, the ones whose
-# rounding differs between 8- and 16-lane sums (~3 minutes on 2 cores); the whole suite so:
+# directory, CPU half GEMMs off; Inductor's cache in that directory too (its keys leave out
+# the CPU capability, so a kernel generated for one would be reused for the other, wrong).
+# Runs the tests that compare paths and bounds, the ones whose rounding differs between 8-
+# and 16-lane sums (~3 minutes on 2 cores); the whole suite so:
 # `make test-avx2 AVX2_TESTS=tests`. Fails first if ATen did not take its AVX2 kernels.
 AVX2_CC ?= cc -mno-avx512f
 AVX2_TESTS ?= tests/test_native_rows.py \
@@ -38,7 +40,8 @@ AVX2_TESTS ?= tests/test_native_rows.py \
 test-avx2: $(STAMP)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 CC="$(AVX2_CC)" \
-		LINEAR_CE_NATIVE_HALF_GEMM=0 LINEAR_CE_CACHE_DIR="$$cache" LINEAR_CE_MEASURE=0 && \
+		LINEAR_CE_NATIVE_HALF_GEMM=0 LINEAR_CE_CACHE_DIR="$$cache" LINEAR_CE_MEASURE=0 \
+		TORCHINDUCTOR_CACHE_DIR="$$cache/inductor" && \
 	$(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 		assert c == 'AVX2', f'ATEN_CPU_CAPABILITY=avx2 not taken: {c}'" && \
 	$(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
