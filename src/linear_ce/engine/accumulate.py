@@ -59,8 +59,8 @@ __all__ = [
 ]
 
 #: Elements of the fp32 scratch a block of the sum is unpacked into: 1 MiB, so it stays
-#: in a core's L2 cache between unpacking, adding and packing (on a 2-core Zen 4, bf16,
-#: N=1024 F=1024 V=32768: 3.5 s per training step against 5.0 s with 4 MiB).
+#: in a core's L2 cache between unpacking, adding and packing (a block that spills it
+#: goes to memory three times: a step's sum then costs more than its GEMMs).
 CACHE_BLOCK_ELEMENTS = 1 << 18
 
 
@@ -68,8 +68,7 @@ class DirectSum:
     """Products added straight into ``buffer``, a ``(V, P, F)`` sum: the result itself
     (see module doc, ``"direct"``), or a wider one rounded to ``result_dtype`` by
     ``finish`` (``"wide"``). ``buffer`` need not be zeroed: a position's first product is
-    written, not added (one pass over ``(V, F)`` less: 23 ms of a 1.3 s bf16 step at
-    N=2048, F=1024, V=32768).
+    written, not added (one pass over ``(V, F)`` less, a step's fixed cost).
 
     ``scale`` (a 0-dim tensor): the factor ``finish`` will be given (a mean's ``1/count``).
     Where the GEMM adds into the sum itself (operands of the sum's dtype) and ``scale`` is
@@ -77,14 +76,13 @@ class DirectSum:
     synchronisation), the products take all of it as the GEMM's ``alpha``, applied to its
     fp32 accumulation before the one rounding to the sum's dtype, and ``finish`` none: no
     pass over the whole ``(V, P, F)`` sum (128 MiB at V=32768, F=1024 in fp32, a fixed cost
-    of a mean however few rows are valid; bf16 with 75% of 2048 rows ignored: 14 ms of a
-    115 ms step on 2 Sapphire Rapids cores, and one rounding where ``finish``'s factor
-    made two). Elsewhere, where each product is rounded to a half dtype the unscaled sum
-    could overflow it, so the products take the power of two at or below ``scale`` on
-    ``x``'s side (exact where ``x`` stays normal) and ``finish`` the rest, a factor in
-    [1, 2). In the gradient tile instead, a small factor pushes its entries into the half
-    dtype's subnormals (fp16, 8192 rows: the input gradient 4x, the weight gradient 10x the
-    final rounding)."""
+    of a mean however few rows are valid, which a mostly masked step feels most, and one
+    rounding where ``finish``'s factor made two). Elsewhere, where each product is rounded
+    to a half dtype the unscaled sum could overflow it, so the products take the power of
+    two at or below ``scale`` on ``x``'s side (exact where ``x`` stays normal) and
+    ``finish`` the rest, a factor in [1, 2). In the gradient tile instead, a small factor
+    pushes its entries into the half dtype's subnormals (fp16, 8192 rows: the input gradient
+    4x, the weight gradient 10x the final rounding)."""
 
     def __init__(
         self,

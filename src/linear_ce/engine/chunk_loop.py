@@ -57,8 +57,8 @@ the compiled loops' (:func:`_native_pair`), the two raw tiles go to the loops' p
 instead (:meth:`~linear_ce.engine.native_rows.NativeRows.pair_`): both rows read once, the
 student's gradient written over its tile; in the input dtype with native half GEMMs (the
 gradient GEMMs' operand, as a half tile), so a bf16 step's row math is not fp32 passes over
-fp32 tiles (bf16 forward KL at N=2048, F=1024, V=32768 on 2 Sapphire Rapids cores: 2.84× →
-1.07× its four bf16 GEMMs, in one process); no third tile for the mixture. A head with
+fp32 tiles, which cost more than the bf16 GEMMs themselves; no third tile for the mixture.
+A head with
 ``late_sums`` has row sums that need the normalisers ``Z`` themselves (a mixture of two
 distributions): they are formed once the first statistics are combined, and combined over
 shards in a second round.
@@ -176,9 +176,9 @@ def without_autocast(run: _Run) -> _Run:
 
     The plan decides each GEMM's operand and result dtypes; a caller's ``torch.autocast``
     would otherwise run the products written as ``a @ b`` (:meth:`Gemm.product`) in its half
-    dtype: under bf16 autocast, bf16 inputs without native bf16 GEMMs got a weight gradient
-    summed from bf16-rounded products (3.8e-3 from the same call without autocast, 2-core
-    Sapphire Rapids with ``LINEAR_CE_NATIVE_HALF_GEMM=0``).
+    dtype: under bf16 autocast, bf16 inputs without native bf16 GEMMs would get a weight
+    gradient summed from bf16-rounded products, less accurate than the same call's without
+    autocast (``tests/test_autocast_grads.py`` holds them equal).
     """
 
     @functools.wraps(run)
@@ -374,8 +374,8 @@ class _ChunkLoop:
         self.factors: torch.Tensor | None = None
         # Without gradients (and late sums) a head's outputs need its rows' statistics alone:
         # a half tile's steps keep them for the chunk, combined and handed to the head once
-        # per chunk, not once per step (~25 small operations a step: 5% of a bf16 forward's
-        # floor at 16-row steps on 2 Sapphire Rapids cores).
+        # per chunk, not once per step (~25 small operations a step, whose cost grows with the
+        # number of steps, not with the work).
         self.chunk_stats = chunk_stats = half and not want_grads and not head.late_sums
         loops = native is not None or pair is not None
         kept = chunk if two_sweeps or chunk_stats or loops else step
@@ -890,9 +890,8 @@ def _native_rows(
     (``native_fp32``: cross-entropy, ``token_objective``, ``sequence_objective``), whose
     gradient they write over the tile, so the plan holds one tile where torch's operations
     keep ``eᵘ`` in a second (:func:`tiles_for`): chunks twice as long, and fewer passes
-    over a tile that streams from memory (fp32 ``token_objective`` with an entropy bonus at
-    N=2048, F=1024, V=32768 on 2 Sapphire Rapids cores: 1.34× → 1.06× its three GEMMs,
-    interleaved in one process).
+    over a tile that streams from memory (the store's ``sapphire-rapids-objective`` run,
+    results/runs.jsonl).
     ``token_logprobs`` keeps torch's operations on fp32 tiles, so that its outputs stay
     those of a call that asks for more statistics (``top1``, ``topk``) bit for bit."""
     if not (

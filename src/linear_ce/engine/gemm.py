@@ -45,8 +45,8 @@ __all__ = [
 #: Elements of one ``(block, F)`` slice of a ``(V, F)`` operand multiplied at a time:
 #: 4 MiB in fp32, so a block's temporaries stay a few percent of the gradients'
 #: bytes, while each block's GEMM (``block ≥ 256`` rows for ``F ≤ 4096``) stays
-#: efficient (256-row blocks of a bf16 weight-gradient GEMM with 128-row chunks run
-#: ~3× slower than 1024-row ones on a 2-core Zen 4).
+#: efficient (a weight-gradient GEMM over few rows runs at a fraction of its rate on a
+#: CPU, so the blocks must not be short too).
 VOCAB_BLOCK_ELEMENTS = 1 << 20
 
 
@@ -77,8 +77,8 @@ class Gemm:
         self, rows: int, classes: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """The ``(rows, classes)`` logits buffer: class-major (a ``(classes, rows)`` array
-        used as its transpose), so the logits GEMM forms ``W·xᵀ``, which MKL runs ~30%
-        faster than ``x·Wᵀ`` at chunk-sized ``rows`` on a 2-core Zen 4, and the
+        used as its transpose), so the logits GEMM forms ``W·xᵀ``, which MKL runs faster
+        than ``x·Wᵀ`` at chunk-sized ``rows`` (docs/benchmarks.md says how much), and the
         weight-gradient GEMM reads it without a transpose; or row-major where
         ``class_major`` is false."""
         if not self.class_major:
@@ -199,8 +199,8 @@ class NativeHalf(Gemm):
         """A ``(rows, classes)`` buffer of the half tile or of its fp32 steps
         (``Plan.rows_per_step``), row-major: a step's rows are then one contiguous
         block, widened and written back at copy speed, where a class-major tile's
-        strided rows took ~5× longer; a bf16 training step at N=2048, F=1024,
-        V=32768 ran 10–20% faster (paired rounds, 2-core Zen 4; its GEMMs within noise)."""
+        strided rows take several times longer to widen and write back, while the
+        GEMMs run alike in either layout."""
         return scratch((rows, classes), dtype, device)
 
     def half_logits(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -2,10 +2,10 @@
 
 How many rows a chunk needs before a CPU's GEMMs reach their rate, which layout of the
 ``(chunk, V)`` logits tile its BLAS prefers, and whether its half-precision GEMMs beat
-fp32 ones differ from one CPU to the next: a 2-core Zen 4 runs the three GEMMs of a
-256-row chunk within 10% of their 2048-row rate, a 2-core Sapphire Rapids loses ~25% on
-the weight-gradient GEMM there (116 against 160 GFLOP/s), and its fp16 GEMMs (AVX512-FP16,
-no AMX-FP16) run at about its fp32 rate while its bf16 ones (AMX) run several times faster.
+fp32 ones differ from one CPU to the next: one CPU runs the three GEMMs of a 256-row chunk
+near their 2048-row rate where another loses a quarter of its weight-gradient GEMM's rate
+there, and fp16 GEMMs may run at the fp32 rate (AVX512-FP16 without AMX-FP16) while bf16
+ones (AMX) run several times faster (the stored runs of each CPU: results/runs.jsonl).
 So :func:`linear_ce.engine.plan.make_plan` asks this module, which answers from a short
 measurement of this machine's GEMMs at the call's shape class (its feature count, at
 most ``MAX_MEASURE_FEATURES``, and dtype), taken once per process and cached on disk per
@@ -41,10 +41,9 @@ not cached: the process takes the fallback below. The choices:
   included), scaled to the call's classes (the same bytes per step: what fits a core's
   cache).
 - **exponential** (:meth:`Tuning.exp2`): half inputs' fp32 math forms ``eᵘ`` with
-  ``torch.exp`` or as ``2^(u·log₂e)``, whichever ran faster (:func:`exp_speedup`): torch's
-  ``exp2`` ran ~3.5× faster than its ``exp`` on a 2-core Zen 4, its ``exp`` ~2× faster than
-  ``mul`` + ``exp2`` on a 2-core Sapphire Rapids (0.19 against 0.40 ns per element, one
-  core, torch 2.13).
+  ``torch.exp`` or as ``2^(u·log₂e)``, whichever ran faster (:func:`exp_speedup`): which
+  one torch vectorises better differs between CPU generations by a factor of two or more
+  either way.
 - **vocabulary block** (:meth:`Tuning.min_class_block`): the fewest classes per block of the
   vocabulary pass before its rows are split into groups. A block of ``C`` classes against
   ``M`` rows issues the same three GEMM shapes as a chunk of ``C`` rows against ``M``
@@ -195,20 +194,20 @@ STEP_MEASURE_ROWS = 64
 #: chunk loop and a cross-entropy head do (views, row statistics, the head's gathers and
 #: per-row outputs: 45–70 per step of a bf16 step counted with ``torch.profiler``, torch
 #: 2.13). They cost the same whatever the step's rows, so they are what a short step pays:
-#: measured without them a 2-core Sapphire Rapids picked 8-row steps, which ran a training
-#: step 1.095× its floor against 1.046× at 16 rows (one thread, CPU time).
+#: measured without them, the steps picked are too short, and a training step pays their
+#: small operations once per step.
 STEP_ROW_OPS = 48
 #: What :func:`step_rates` and :func:`exp_speedup` cost, counted as GEMM flops that take as
-#: long (~60 ms of elementwise work on one Sapphire Rapids core, where its AMX bf16 GEMMs
-#: run ~600 GFLOP/s): the gate of :func:`worth_measuring_steps`.
+#: long on a CPU with fast native bf16 GEMMs (AMX), where they cost the least against the
+#: GEMMs: the gate of :func:`worth_measuring_steps`.
 STEP_MEASURE_FLOPS = 40e9
 #: Elements of the fp32 block :func:`exp_speedup` exponentiates (2 MiB: a step's tile that
 #: stays in a core's L2, as the chunk loop's does).
 EXP_MEASURE_ELEMENTS = 1 << 19
 #: Timed rounds per candidate, interleaved; the fastest round of each counts.
 MEASURE_ROUNDS = 3
-#: A candidate within this share of the best measured rate is as good as the best (the
-#: spread of repeated measurements on a quiet 2-core machine is ~2%).
+#: A candidate within this share of the best measured rate is as good as the best: twice
+#: the spread of repeated measurements on a quiet machine.
 TOLERANCE = 0.04
 #: A measurement whose two fastest rounds differ by more than this share is unsteady (the
 #: machine was busy): its choices fall back to the fixed rule in this process, and it is
@@ -217,8 +216,8 @@ NOISE_LIMIT = 0.05
 #: ... and so is one during which the process's threads ran less than this share of the
 #: wall time (``time.process_time`` over the wall time × threads): a machine busy with
 #: other work slows every round alike, so the rounds agree, but its rates are those of
-#: a share of the cores (2 threads among ~15 busy processes measured 10-30 GFLOP/s
-#: instead of 150-290, and small GEMMs lose more than large ones).
+#: a share of the cores, a tenth of the machine's own or less, and small GEMMs lose more
+#: than large ones).
 MIN_BUSY = 0.8
 #: Measured choices are used by calls whose GEMMs take at least this many times the
 #: measurement's flops, so measuring (once per process, and none once cached) costs at most
@@ -226,9 +225,8 @@ MIN_BUSY = 0.8
 MEASURE_RATIO = 8
 #: Native half GEMMs are taken where they run at least this multiple of the fp32 rate: the
 #: native path also saves the fp32 path's conversions of the weight (two per chunk) and
-#: keeps longer chunks, so it wins at equal GEMM rates (fp16 on a Sapphire Rapids core,
-#: 175 against 176 GFLOP/s: a training step at 1.00× its floor against the fp32 path's
-#: 1.14×, one thread, CPU time); emulated half GEMMs run 10–100× slower.
+#: keeps longer chunks, so it wins at equal GEMM rates; emulated half GEMMs run 10–100×
+#: slower, far below this.
 HALF_MIN_SPEEDUP = 0.85
 #: Bumped when what is measured changes; older cache files are then measured again.
 CACHE_VERSION = 3
@@ -796,10 +794,8 @@ class Tuning:
 
         A tie goes to the budget's rows, not to shorter chunks: every chunk's GEMMs stream
         the whole weight and weight-gradient sum, which the measurement's cache-sized
-        blocks of classes do not see. On a 2-core Zen 5 the rates of 128–384 rows were
-        within 5% of each other; the smallest of them within 4% (192 rows, 11 chunks) ran a
-        fp32 step at 1.035× its floor, the budget's 256 rows at 1.010× (8 paired rounds,
-        N=2048, D=1024, V=32768)."""
+        blocks of classes do not see: where the rates of several candidates agree, the
+        longest of them runs the step nearer its floor."""
         forced = _forced_rows()
         if forced is not None:
             return min(forced, cap)

@@ -5,8 +5,8 @@ layout: :mod:`linear_ce.engine.chunk_loop` says which calls take them).
 The chunk loop's torch operations on a chunk's logits (:mod:`linear_ce.engine.chunk_loop`)
 each pass over the whole tile: widen a step of rows to fp32, the transform, the row max,
 ``u = s − m``, ``eᵘ``, its row sum, the head's row sums, the gradient's products, the
-rounding back. On 2 Sapphire Rapids cores those passes took ~0.9 ns per logit of a bf16
-tile, most of what separates a bf16 step from its three GEMMs. ``native_rows.c`` does the
+rounding back. Each pass streams the tile through memory, and together they are most of
+what separates a bf16 step from its three GEMMs. ``native_rows.c`` does the
 same math a row at a time, the row held in the core's cache between its reads:
 
 .. math::
@@ -234,8 +234,8 @@ class NativeRows:
     ) -> Callable[[], RowSums]:
         """:meth:`stats` with its checks and arguments settled now: each call of the result
         runs the loops over what ``tile`` holds then. A pass that fills one tile block after
-        block calls it right after each GEMM, with no tensor operation between (each took
-        tens of microseconds right after a GEMM on a 2-core Zen 5)."""
+        block calls it right after each GEMM, with no tensor operation between: a torch
+        operation right after a GEMM waits for the GEMM's threads to settle."""
         rows = tile.shape[0]
         class_major = self.class_major(tile)
         if not class_major:
@@ -401,8 +401,8 @@ def _in_parallel(
     """``kernel(*before, r0, r1, *after)`` over ``[0, rows)`` split over
     ``torch.get_num_threads()`` threads, each range's start a multiple of ``align``: in the
     library's OpenMP region where it has one (the runtime of torch's GEMMs: their spinning
-    workers take the ranges, where a thread of our own would share a core with one; a bf16
-    chunk's statistics right after its GEMM on 2 Sapphire Rapids cores: 10.5 → 7.3 ms), else
+    workers take the ranges, where a thread of our own would share a core with one still
+    spinning after the GEMM and run at half speed), else
     over :func:`_split`'s pool. A non-zero return: no memory for a range's scratch."""
     if openmp:
         threads = max(1, min(torch.get_num_threads(), -(-rows // align)))

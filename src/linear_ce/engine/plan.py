@@ -55,8 +55,9 @@ __all__ = [
 
 #: Fewer rows than this per chunk leaves the GEMMs memory-bound on a CPU.
 MIN_EFFICIENT_ROWS = 128
-#: Budgeted chunks are rounded down to a multiple of this: on a 2-core Zen 4 (MKL) the
-#: logits GEMM of 553 rows runs at 126 GFLOP/s, of 544 rows at 192.
+#: Budgeted chunks are rounded down to a multiple of this: a CPU GEMM over an odd number
+#: of rows can lose a third of its rate (docs/benchmarks.md, why linear_ce can beat the
+#: floor).
 ROW_MULTIPLE = 32
 #: The ``"budget"`` rule lets the per-chunk scratch take this share of the gradients' bytes:
 #: with the gradients themselves that is ≈ 1.25× their bytes, inside the 1.3× bound. Within
@@ -68,26 +69,25 @@ BUDGET_SHARE = 0.25
 #: (no ``LINEAR_CE_MEMORY_BUDGET``) may take up to this multiple of ``BUDGET_SHARE`` (0.5 of
 #: the gradients' bytes: a step's peak ≈ 1.5× them) if longer chunks measured faster: each
 #: chunk's weight-gradient GEMM reads and writes the whole ``(V, F)`` sum, so short chunks
-#: pay per chunk. A 2-core Sapphire Rapids measured 384-row chunks 6% faster than 256-row
-#: ones and took 352-row chunks at N=2048, D=1024, V=32768 (fp32 step 1.04× its floor
-#: against 1.08×, 1.3× the gradients' bytes against 1.23×); the fixed rule keeps the budget.
+#: pay per chunk. A CPU whose GEMMs reach their rate only at longer chunks takes them, at
+#: up to 1.5× the gradients' bytes (the store's ``sapphire-rapids`` run in
+#: results/runs.jsonl: 352-row chunks); the fixed rule keeps the budget.
 MEASURED_STRETCH = 2.0
 #: The share of the student's gradient bytes the two (or three) logits tiles of a
 #: distillation call (:mod:`linear_ce.ops.divergence`) may take, and they take the budget's
 #: longest chunks (``make_plan(longest=True)``): the GEMM measurement does not see the
-#: per-chunk passes over two tiles. On a 2-core Sapphire Rapids at N=2048, D=1024, V=32768
-#: (forward KL, mean) the measured pick of the smallest chunk at full GEMM rate took 128
-#: rows: 1.31× the four-GEMM floor; one thread, CPU time, 1.45× at 128 rows, 1.19× at
-#: 256, 1.14× at 512. With the gradients themselves and the head's scratch blocks (at most
+#: per-chunk passes over two tiles, so the smallest chunk at full GEMM rate runs the
+#: step well above its floor where the longest do not (docs/journal.md, distillation).
+#: With the gradients themselves and the head's scratch blocks (at most
 #: 1/16 of a tile each) a step stays within 1.5× of them: at 0.48, fp32, every beta,
 #: 1.47-1.48× at N=512, D=1024, V=8192 and N=2048, D=1024, V=32768 (256-row chunks), 1.47×
 #: at N=1024, D=1024, V=2048 (tests/test_divergence.py).
 DIVERGENCE_SHARE = 0.48
 #: The share for half inputs accumulated in fp32 on a CPU without native half GEMMs
 #: (``BlockUpcast``), whose gradients have half the bytes while the scratch rows stay
-#: fp32: at N=2048, D=1024, V=32768 the quarter share gives 128-row chunks, which ran at
-#: 1.30× (bf16) and 1.17× (fp16) the fp32 floor, against 1.01× and 1.00× at the 256 rows
-#: of this share, within the 2.5× of the gradients' bytes half inputs may take. The
+#: fp32: the quarter share would give chunks of ``MIN_EFFICIENT_ROWS`` at the bench's shape,
+#: whose GEMMs run below their rate; this share doubles them, within the 2.5× of the
+#: gradients' bytes half inputs may take. The
 #: native path takes it too, for its half tile at 2 bytes per logit (544-row chunks there
 #: with the split sum; with at most ``DIRECT_SUM_MAX_CHUNKS`` chunks the plane's bytes are
 #: added, 2 × 1024 rows).
@@ -96,28 +96,24 @@ HALF_CPU_BUDGET_SHARE = 0.5
 #: not measured (:meth:`linear_ce.engine.machine.Tuning.step_rows`). The half tile carries the
 #: GEMMs, so its chunks can be 3× longer in the same bytes (2 per logit instead of an fp32
 #: tile's 4 and its half copy's 2), while the fp32 math runs on steps of this many rows.
-#: Shorter steps stay in a core's L2 (16 rows at V=32768: 2 MiB of fp32) and ran a bf16
-#: training step at N=2048, F=1024, V=32768 faster on one idle Sapphire Rapids thread (CPU
-#: time: 1.046–1.087× its floor at 16 rows against 1.085–1.124× at 64, ``torch.exp``; 16–64
-#: rows within noise on a 2-core Zen 4), but each of a step's passes is a parallel region of
-#: its own: on the same 2 cores shared with ~10 other busy processes (load average 10–12)
-#: 16-row steps took the step to 4.9–7.7× the floor and the forward to 6–17×, where 64-row
-#: steps took 3.0× and 4.3×. So the fixed rule keeps 64 rows, and shorter steps are taken
-#: only where this machine measured them faster with its threads (``step_rates``, which a
-#: busy machine leaves unsteady, hence unused).
+#: Shorter steps stay in a core's L2 (16 rows at V=32768: 2 MiB of fp32) and can run
+#: faster on an idle core, but each of a step's passes is a parallel region of its own,
+#: which a busy machine makes wait once per pass: short steps then cost several times the
+#: floor (docs/journal.md, native bf16). So the fixed rule keeps 64 rows, and shorter
+#: steps are taken only where this machine measured them faster with its threads
+#: (``step_rates``, which a busy machine leaves unsteady, hence unused).
 HALF_TILE_STEP_ROWS = 64
 #: Where it is not measured (:meth:`linear_ce.engine.machine.Tuning.exp2`), half inputs'
-#: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag (AMX: a 2-core Sapphire
-#: Rapids ran ``torch.exp`` 2× faster than ``mul`` + ``exp2``, 0.19 against 0.40 ns per
-#: element; a bf16 step at N=2048, F=1024, V=32768 in 16-row steps 1.087× its floor against
-#: 1.137×, one thread, CPU time), else as ``2^(u·log₂e)`` (a 2-core Zen 4: ``exp2`` ~3.5×
-#: faster).
+#: fp32 math forms ``eᵘ`` with ``torch.exp`` on a CPU with this flag, else as
+#: ``2^(u·log₂e)``: which of the two torch vectorises better follows the CPU generation,
+#: and the AMX generation is the one whose ``exp`` was the faster (docs/journal.md,
+#: ``exp`` or ``exp2``).
 EXP_FLAG = "amx_tile"
 #: Fewest classes per block of the vocabulary pass (:mod:`linear_ce.engine.vocab_pass`) before
 #: its rows are split into groups, where it is not measured
 #: (:meth:`linear_ce.engine.machine.Tuning.min_class_block`): the block's three GEMMs have
-#: ``C`` as a dimension (and the input gradient's as its inner one), and stay within ~10% of
-#: their large-block rate from 512 classes on (2-core Zen 4, N=2048, D=1024).
+#: ``C`` as a dimension (and the input gradient's as its inner one), and a CPU's GEMMs
+#: come within ~10% of their large-block rate from 512 classes on at the bench's shapes.
 MIN_CLASS_BLOCK = 512
 #: Class blocks are rounded down to a multiple of this.
 CLASS_MULTIPLE = 128
@@ -169,10 +165,8 @@ class Plan:
         policy: the resolved ``acc_policy``.
         exp2: form :math:`e^u` as :math:`2^{u \\log_2 e}` in the chunk loop: half inputs
             with fp32 math on a CPU, where that measured faster than ``torch.exp``
-            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback, ``EXP_FLAG``:
-            on a 2-core Zen 4 with AVX512 torch's ``exp2`` ran ~3.5× faster than its
-            ``exp``, 2.8 against 10.3 ms per 16M elements; a Sapphire Rapids runs ``exp``
-            ~2× faster than ``mul`` + ``exp2``). Its
+            (:meth:`linear_ce.engine.machine.Tuning.exp2`; the fallback: ``EXP_FLAG``,
+            the CPU feature that tells which form torch runs faster). Its
             relative error, ≤ ``|u|·2⁻²⁴`` (1.8e-6 over ``u ∈ [−30, 0]``), is ~2⁻¹² of a
             bf16 rounding and ~2⁻⁸ of an fp16 one.
     """
@@ -266,9 +260,8 @@ def _budgeted_rows(budget_rows: int, rows: int, divisor: int) -> int:
 
 def _evened(chunk: int, rows: int) -> int:
     """Chunks of ``rows`` as many as ``chunk`` gives, of equal size: ``rows / chunks``
-    rounded up to a multiple of ``ROW_MULTIPLE`` (never above ``chunk``). At N=2048 two
-    chunks of 1024 rows ran their bf16 GEMMs ~4% faster than 1056 + 992 (8 paired
-    rounds, 2-core Zen 4)."""
+    rounded up to a multiple of ``ROW_MULTIPLE`` (never above ``chunk``): a chunk's GEMMs
+    run at the rate of its rows, and equal chunks have no short one running below it."""
     even = -(-rows // -(-rows // chunk))
     if even >= ROW_MULTIPLE:
         even = -(-even // ROW_MULTIPLE) * ROW_MULTIPLE
@@ -422,9 +415,8 @@ def make_plan(
     its blocks are budgeted at that many bytes per logit, not ``acc_dtype``'s and the
     operand copy's, which left them a third of the budget (bf16 ``token_logprobs``
     backward at N=2048, F=1024, V=32768: 4352-class blocks, not 1408; each block adds its
-    input-gradient product into the fp32 sum in a pass of its own. On a 2-core Zen 5, the
-    two alternated twice, 5 paired rounds each: 1.036, 1.056× its four GEMMs against
-    1.128, 1.113× before).
+    input-gradient product into the fp32 sum in a pass of its own, so fewer, wider blocks
+    pay fewer passes).
 
     ``stats_pass``: the plan of a statistics pass (:mod:`linear_ce.engine.stats_pass`, a
     call without gradients whose row math is the compiled loops'): groups of rows and blocks
@@ -520,9 +512,8 @@ def make_plan(
         # A call without gradients holds none: its tile is all its scratch (0.5 of the
         # gradients' bytes it does not hold; a plain forward's logits take 1.9×), and each
         # chunk's logits GEMM streams the whole weight, which the measurement's cache-sized
-        # blocks do not see. A 2-core Zen 5 at N=2048, D=1024, V=32768 (fp32, 10 paired
-        # rounds) ran the forward at 1.09× its GEMM with the measured 192-row chunks, 1.07×
-        # with 256, 1.02× with 512.
+        # blocks do not see: a forward runs nearer its GEMM's time the longer its chunks
+        # (docs/journal.md, the forward by blocks of classes).
         if not gradients and stretch > 1.0 and not half_cpu and tuning.forced_rows() is None:
             share, stretch, keep_longest = share * stretch, 1.0, True
         pick = None if keep_longest else tuning.rows

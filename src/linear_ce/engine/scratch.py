@@ -2,11 +2,9 @@ r"""Scratch tiles kept from one call to the next, so their pages fault in once.
 
 A call's logits tile is fresh memory: each 4 KiB page of it faults in when first
 written, and a tile above malloc's mmap threshold is unmapped again when the call
-returns. Measured on a 2-core Zen 5 KVM guest, bf16, N=2048, D=1024, V=32768:
-
-- Forward without gradients: the first GEMM into its fresh 16 MiB tile took 48 ms,
-  the later ones 22 ms. That is ~26 ms of faults against a 181 ms floor.
-- Training step: the first chunk's logits GEMM took 101–111 ms, the second 85–91 ms.
+returns. The first GEMM into a fresh tile pays its page faults on top of its work (about
+twice the time of the later GEMMs into the same tile; docs/journal.md, scratch kept between
+calls, has the measurements), a cost of every call that the floor does not pay.
 
 A floor's GEMMs write into memory that is already there, and so do the same GEMMs
 in a training loop whose head keeps its tile. So the loops (:func:`keeps_scratch`)
@@ -14,8 +12,8 @@ give their large buffers (:func:`scratch`, at least :data:`MIN_KEPT_BYTES`) back
 when they return. The next call takes a kept buffer that holds what it asks for with at
 most an eighth to spare. Where none does, every kept buffer is freed before it
 allocates, so a kept buffer never sits beside a new one. Without that bound, a
-``token_logprobs`` backward that took its forward's 32 MiB tile for a 16.5 MiB one
-measured 1.49× the gradients' bytes against 1.26× (fp32, N=512, D=1024, V=16384). What
+``token_logprobs`` backward that took its forward's tile for one half its size would
+hold the difference beside its own buffers, past the plan's memory budget. What
 a call returns replaces what was kept. So between calls the process holds one call's
 scratch, the last one's, which the plan's memory budget already bounds.
 

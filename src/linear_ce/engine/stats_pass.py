@@ -17,12 +17,11 @@ of that block alone, :math:`m_b, Z_b, D_b` (and :math:`u_t` where the target lie
     u_t = u_{t,b} + (m_b - m).
 
 The tile is sized to the last-level cache (``linear_ce.engine.plan.STATS_TILE_CACHE_SHARE``):
-a call faults in the pages of one small tile instead of a chunk of whole rows (a fresh
-64 MiB bf16 tile took 20–38 ms to fault in on a 2-core Zen 5 VM, against a forward's
-~190 ms GEMM), and each GEMM has every row of the group as its long side. bf16 forward at
-N=2048, F=1024, V=32768 there: 1.20× its GEMM in chunks of whole rows, 1.11× in blocks of
-4096 classes (paired rounds). The combination adds one rounding per block to each sum, as
-a longer row would.
+a call faults in the pages of one small tile instead of a chunk of whole rows (a tile
+larger than the cache faults in on every call and is read back from memory), and each
+GEMM has every row of the group as its long side (docs/journal.md, the forward by blocks
+of classes, has the measurements). The combination adds one rounding per block to each
+sum, as a longer row would.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ def run_stats_pass(
             targets, dot = head.native_targets(rows, p)
             # Each block's loops write into its rows of ``sums``, with its own columns of
             # the targets, all settled before the first GEMM: no torch operation between a
-            # block's GEMM and the next (each took ~0.1 ms right after a GEMM on a 2-core
-            # Zen 5; a bf16 forward's ~3%).
+            # block's GEMM and the next (one right after a GEMM waits for the GEMM's
+            # threads to settle, once per block).
             sums = torch.zeros((len(starts), 4, n), dtype=torch.float32, device=device)
             block_of = torch.div(targets, block, rounding_mode="floor")
             owned = block_of == torch.arange(len(starts), device=device)[:, None]

@@ -343,9 +343,9 @@ class TokenLogprobGradient:
             self._grad_block_loops(loops, s, rows, p, classes, factor)
             return
         # Each statistic as a contiguous column: a ``(rows, 1)`` operand strided by 3 (a
-        # column of ``row_stats``) against the class-major tile's contiguous rows ran its
-        # broadcast 4× slower (3.5 of 7 s of elementwise work in a step at N=2048,
-        # F=1024, V=32768, one thread).
+        # column of ``row_stats``) against the class-major tile's contiguous rows runs its
+        # broadcast several times slower: torch's broadcast loop does not vectorise over a
+        # strided operand.
         stats = self.row_stats[rows, p].to(dtype).T.contiguous()
         row_max, log_z, mean_u = (stats[i][:, None] for i in range(3))
         g = None if self.grad_logprob is None else self.grad_logprob[rows, p].to(dtype) * factor

@@ -71,8 +71,7 @@ GROUP_BUDGET_FACTOR = 2.0
 #: The most rows of a half tile's fp32 step (4 MiB at V=32768): the half tile of whole
 #: groups is most of what a step holds above the gradients (bf16 DPO at N=2048, F=1024,
 #: V=32768: one pair, 0.35× them), and the plan's 64-row step (8 MiB) would take 0.06× more.
-#: 16-row steps measured 4-8% slower there (one thread, CPU time, load 6-7: their ~40 small
-#: operations each), 32 as fast as 64.
+#: Shorter steps pay their ~40 small operations each more often; 32 rows are as fast as 64.
 SEQUENCE_STEP_ROWS = 32
 
 
@@ -176,8 +175,8 @@ def _small_half_tile(input: torch.Tensor, spec: SequenceSpec, plan: Plan) -> Pla
     rows that many chunks of whole groups allow (as many as the plan's chunks where those
     are more). The half tile is most of the step's memory: bf16 DPO at N=2048, F=1024,
     V=32768 holds one pair (24 MiB) per chunk, not two (0.35× the gradients' bytes less);
-    the three GEMMs of four one-pair chunks measured within 1% of two two-pair chunks'
-    (one thread). Steps: at most ``SEQUENCE_STEP_ROWS`` rows, unless
+    the three GEMMs of one-pair chunks run as fast as those of two-pair chunks at such
+    shapes (their long side is the vocabulary). Steps: at most ``SEQUENCE_STEP_ROWS`` rows, unless
     ``LINEAR_CE_STEP_ROWS`` forces them."""
     layout = spec.layout
     if plan.weight_grad == "direct" and layout.max_group_tokens:
