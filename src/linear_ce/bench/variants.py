@@ -11,9 +11,9 @@ without native half GEMMs). At a DPO point the floors are ``floor-scored`` and
 of each sequence, carry no log-probability, and no head computes their logits).
 A floor writes its logits into a buffer made once, when the variant is built, as a
 chunked head reuses its tiles: a fresh ``(N, V)`` result faults in its pages on every
-call (a bf16 ``2048 × 32768`` logits GEMM: 88–95 ms into a new tensor, 49–53 ms into a
-reused one, on a 2-core Sapphire Rapids), which is work the GEMMs do not need, and
-which made a floor slower than ``torch.compile`` of the plain expression. The
+call (a GEMM into a new tensor takes up to twice as long as into a reused one), which
+is work the GEMMs do not need, and which made a floor slower than ``torch.compile`` of
+the plain expression. The
 gradients are fresh, as every step's are; the buffer is not in a floor's peak.
 """
 
