@@ -275,9 +275,7 @@ def run_chunks(
     # ... and over the student's and the companion's tiles together (see the module doc).
     pair = _native_pair(input, acc, head, transform, vocab, bias, companion, plan.gemm)
     loop = _loop_kind(half, native, pair)(
-        input,
-        weight,
-        bias,
+        (input, weight, bias),
         head,
         transform,
         plan,
@@ -316,13 +314,12 @@ class _ChunkLoop:
     """The set-up every loop strategy shares (a call's tiles, row buffers, statistics and
     gradient sums, allocated once and reused by every chunk), the loop over positions and
     chunks, the gradient GEMMs of a chunk and the finish. A strategy writes one method,
-    :meth:`chunk_rows`: a chunk's logits GEMM and row math."""
+    :meth:`chunk_rows`: a chunk's logits GEMM and row math. ``operands``: :func:`run_chunks`'
+    ``input``, ``weight`` and ``bias``."""
 
     def __init__(
         self,
-        input: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
+        operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
         head: Head,
         transform: LogitTransform,
         plan: Plan,
@@ -335,7 +332,8 @@ class _ChunkLoop:
         rows_once: bool,
         loops: tuple[RowLoops | None, RowLoops | None],
     ) -> None:
-        self.input, self.weight, self.bias, self.head = input, weight, bias, head
+        self.input, self.weight, self.bias = operands
+        input, weight, self.head = self.input, self.weight, head
         self.transform, self.plan, self.vocab, self.chunks = transform, plan, vocab, chunks
         self.companion, self.native, self.pair = companion, *loops
         native, pair = loops

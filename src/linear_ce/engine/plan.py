@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from linear_ce.engine.capability import (
 from linear_ce.engine.environment import check_all
 from linear_ce.engine.gemm import BlockUpcast, CudaOutDtype, Gemm, NativeHalf, SameDtype, Upcast
 from linear_ce.engine.machine import (
+    Tuning,
     forced_stats_block,
     half_gemm_pays,
     memory_budget,
@@ -428,7 +429,6 @@ def make_plan(
     """
     # Every LINEAR_CE_* variable is checked on every call, read by its path or not.
     check_all()
-    forced_block = forced_stats_block() if stats_pass else None
     acc_dtype = acc_dtype_for(input_dtype, options.acc_dtype)
     mixed = acc_dtype != input_dtype
     half_cpu = mixed and device.type == "cpu" and acc_dtype == torch.float32
@@ -472,99 +472,202 @@ def make_plan(
         weight_grad = "split"
     else:
         weight_grad = "wide"
-    if vocab_pass:
-        per_logit = tiles * acc_dtype.itemsize
-        if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:
-            per_logit = input_dtype.itemsize
-        elif gemm.operand_dtype != acc_dtype:
-            per_logit += gemm.operand_dtype.itemsize
-        per_row = in_features * (input_dtype.itemsize + acc_dtype.itemsize) if gathered else 0
-        if gemm.operand_dtype != input_dtype:
-            per_row += in_features * gemm.operand_dtype.itemsize
-        rows_per_chunk, classes_per_block = choose_vocab_blocks(
-            ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype),
-            per_logit,
-            per_row,
-            BUDGET_SHARE * scale,
-            tuning.min_class_block(MIN_CLASS_BLOCK),
-        )
-    elif stats_pass:
-        call = ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype)
-        loops_dtype = input_dtype if isinstance(gemm, NativeHalf) else acc_dtype
-        cache = last_level_cache_bytes()
-        tile_bytes = STATS_TILE_CACHE_SHARE * cache if cache else STATS_TILE_FALLBACK_BYTES
-        cache_share = tile_bytes / max(call.grad_bytes, 1)
-        rows_per_chunk, classes_per_block = choose_vocab_blocks(
-            call,
-            loops_dtype.itemsize,
-            in_features * input_dtype.itemsize if gathered else 0,
-            min(BUDGET_SHARE * scale, cache_share),
-            forced_block or tuning.min_class_block(MIN_CLASS_BLOCK),
-        )
-        if forced_block:
-            classes_per_block = min(forced_block, num_classes)
-    else:
-        # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
-        tile_dtype, tile_count = (input_dtype, 1) if half else (acc_dtype, tiles)
-        # Half inputs on a CPU keep the budget's longest chunks (see the docstring), unless
-        # LINEAR_CE_CHUNK_ROWS forces them (tuning.rows applies it, at most the budget's).
-        keep_longest = (half_cpu or longest) and tuning.forced_rows() is None
-        # A call without gradients holds none: its tile is all its scratch (0.5 of the
-        # gradients' bytes it does not hold; a plain forward's logits take 1.9×), and each
-        # chunk's logits GEMM streams the whole weight, which the measurement's cache-sized
-        # blocks do not see: a forward runs nearer its GEMM's time the longer its chunks
-        # (docs/journal.md, the forward by blocks of classes).
-        if not gradients and stretch > 1.0 and not half_cpu and tuning.forced_rows() is None:
-            share, stretch, keep_longest = share * stretch, 1.0, True
-        pick = None if keep_longest else tuning.rows
-
-        def chunk_rows(share: float) -> int:
-            return choose_chunk_rows(
-                ChunkCall(rows, in_features, num_classes, options, input_dtype, tile_dtype),
-                tile_count,
-                share,
-                pick,
-                stretch,
-            )
-
-        if device.type == "cuda":
-            share = min(share, _cuda_share(device, rows, in_features, num_classes, input_dtype))
-        rows_per_chunk, classes_per_block = chunk_rows(share), num_classes
-        if weight_grad == "split":
-            # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
-            plane_share = num_classes / ((rows + num_classes) * input_dtype.itemsize)
-            direct_rows = chunk_rows(share + plane_share)
-            if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
-                weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
-    if half and not stats_pass:
-        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
-    else:
-        rows_per_step = rows_per_chunk
-    if vocab_pass:
-        # Not measured (the pass's tiles are every row by a block of classes), but a forced
-        # layout applies to it as to the chunk loop: so CUDA's row-major tile runs on a CPU.
-        forced = tuning.forced_class_major()
-        if forced is not None:
-            gemm = dataclasses.replace(gemm, class_major=forced)
-    elif not half:
-        # CUDA's tiles are row-major (each row's classes contiguous: the row kernels'
-        # coalesced reads, :mod:`linear_ce.engine.triton_rows`) unless a layout is forced.
-        forced = tuning.forced_class_major()
-        cuda_layout = False if forced is None else forced
-        class_major = cuda_layout if device.type == "cuda" else tuning.class_major(rows_per_chunk)
-        gemm = dataclasses.replace(gemm, class_major=class_major)
-    return Plan(
-        rows_per_chunk=rows_per_chunk,
-        rows_per_step=rows_per_step,
-        classes_per_block=classes_per_block,
-        input_dtype=input_dtype,
-        acc_dtype=acc_dtype,
-        weight_grad_dtype=weight_grad_dtype,
-        weight_grad=weight_grad,
+    # What every pass shares is resolved above, once; each pass is sized by its own planner.
+    basis = _Basis(
+        call=ChunkCall(rows, in_features, num_classes, options, input_dtype, acc_dtype),
+        device=device,
         gemm=gemm,
         policy=policy,
+        half_cpu=half_cpu,
+        half=half,
+        share=share,
+        scale=scale,
+        stretch=stretch,
+        tuning=tuning,
         exp2=exp2,
+        weight_grad=weight_grad,
+        weight_grad_dtype=weight_grad_dtype,
     )
+    if vocab_pass:
+        return _plan_vocab_pass(basis, tiles, gathered, half_blocks)
+    if stats_pass:
+        return _plan_stats_pass(basis, gathered)
+    return _plan_chunk_loop(basis, tiles, longest, gradients)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Basis:
+    """What every pass's plan starts from (see :func:`make_plan`): the ``call`` (its tiles
+    in ``acc_dtype``) and its ``device``, the resolved policy and GEMM backend, whether the
+    chunk loop may keep a half tile (``half``), the budget's ``share`` (``scale``:
+    ``LINEAR_CE_MEMORY_BUDGET``'s factor), how far the machine's measurement may
+    ``stretch`` a one-tile budget, the machine's ``tuning``, the form of ``eᵘ`` and the
+    weight-gradient sum."""
+
+    call: ChunkCall
+    device: torch.device
+    gemm: Gemm
+    policy: str
+    half_cpu: bool
+    half: bool
+    share: float
+    scale: float
+    stretch: float
+    tuning: Tuning
+    exp2: bool
+    weight_grad: str
+    weight_grad_dtype: torch.dtype
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype of the input, the weight and the returned gradients."""
+        return self.call.input_dtype
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """The accumulation dtype (:func:`acc_dtype_for`)."""
+        return self.call.tile_dtype
+
+    def plan(self, rows_per_chunk: int, classes_per_block: int, **changes: Any) -> Plan:
+        """The :class:`Plan` of these sizes (``rows_per_step``: ``rows_per_chunk``), with
+        ``changes`` to the basis' GEMM and weight-gradient sum."""
+        fields = {
+            "rows_per_step": rows_per_chunk,
+            "gemm": self.gemm,
+            "weight_grad": self.weight_grad,
+            "weight_grad_dtype": self.weight_grad_dtype,
+            **changes,
+        }
+        return Plan(
+            rows_per_chunk=rows_per_chunk,
+            classes_per_block=classes_per_block,
+            input_dtype=self.input_dtype,
+            acc_dtype=self.acc_dtype,
+            policy=self.policy,
+            exp2=self.exp2,
+            **fields,
+        )
+
+
+def _plan_vocab_pass(basis: _Basis, tiles: int, gathered: bool, half_blocks: bool) -> Plan:
+    """The plan of a vocabulary pass (``make_plan(vocab_pass=True)``): row groups and class
+    blocks by :func:`choose_vocab_blocks` for ``tiles`` tiles at ``BUDGET_SHARE``."""
+    gemm, input_dtype, acc_dtype = basis.gemm, basis.input_dtype, basis.acc_dtype
+    in_features = basis.call.in_features
+    per_logit = tiles * acc_dtype.itemsize
+    if half_blocks and isinstance(gemm, NativeHalf) and tiles == 1:
+        per_logit = input_dtype.itemsize
+    elif gemm.operand_dtype != acc_dtype:
+        per_logit += gemm.operand_dtype.itemsize
+    per_row = in_features * (input_dtype.itemsize + acc_dtype.itemsize) if gathered else 0
+    if gemm.operand_dtype != input_dtype:
+        per_row += in_features * gemm.operand_dtype.itemsize
+    rows_per_chunk, classes_per_block = choose_vocab_blocks(
+        basis.call,
+        per_logit,
+        per_row,
+        BUDGET_SHARE * basis.scale,
+        basis.tuning.min_class_block(MIN_CLASS_BLOCK),
+    )
+    # Not measured (the pass's tiles are every row by a block of classes), but a forced
+    # layout applies to it as to the chunk loop: so CUDA's row-major tile runs on a CPU.
+    forced = basis.tuning.forced_class_major()
+    if forced is not None:
+        gemm = dataclasses.replace(gemm, class_major=forced)
+    return basis.plan(rows_per_chunk, classes_per_block, gemm=gemm)
+
+
+def _plan_stats_pass(basis: _Basis, gathered: bool) -> Plan:
+    """The plan of a statistics pass (``make_plan(stats_pass=True)``): row groups and class
+    blocks for one cache-sized tile of the loops' dtype, or the block
+    ``LINEAR_CE_STATS_BLOCK`` forces."""
+    forced_block = forced_stats_block()
+    call = basis.call
+    input_dtype, num_classes = basis.input_dtype, call.num_classes
+    loops_dtype = input_dtype if isinstance(basis.gemm, NativeHalf) else basis.acc_dtype
+    cache = last_level_cache_bytes()
+    tile_bytes = STATS_TILE_CACHE_SHARE * cache if cache else STATS_TILE_FALLBACK_BYTES
+    cache_share = tile_bytes / max(call.grad_bytes, 1)
+    rows_per_chunk, classes_per_block = choose_vocab_blocks(
+        call,
+        loops_dtype.itemsize,
+        call.in_features * input_dtype.itemsize if gathered else 0,
+        min(BUDGET_SHARE * basis.scale, cache_share),
+        forced_block or basis.tuning.min_class_block(MIN_CLASS_BLOCK),
+    )
+    if forced_block:
+        classes_per_block = min(forced_block, num_classes)
+    gemm = basis.gemm if basis.half else _chunk_layout(basis, rows_per_chunk)
+    return basis.plan(rows_per_chunk, classes_per_block, gemm=gemm)
+
+
+def _plan_chunk_loop(basis: _Basis, tiles: int, longest: bool, gradients: bool) -> Plan:
+    """The plan of the chunk loop: chunks of rows by :func:`choose_chunk_rows` for
+    ``tiles`` tiles (one half tile where ``basis.half``) over the whole vocabulary, a half
+    tile's step of rows, and the weight-gradient sum held in the result where the chunks
+    are few enough (``DIRECT_SUM_MAX_CHUNKS``)."""
+    call = basis.call
+    rows, num_classes, input_dtype = call.rows, call.num_classes, basis.input_dtype
+    tuning, share, stretch, half = basis.tuning, basis.share, basis.stretch, basis.half
+    half_cpu = basis.half_cpu
+    weight_grad, weight_grad_dtype = basis.weight_grad, basis.weight_grad_dtype
+    # A half tile holds 2 bytes per logit in one tile; otherwise ``tiles`` of acc_dtype.
+    tile_dtype, tile_count = (input_dtype, 1) if half else (basis.acc_dtype, tiles)
+    # Half inputs on a CPU keep the budget's longest chunks (see the docstring), unless
+    # LINEAR_CE_CHUNK_ROWS forces them (tuning.rows applies it, at most the budget's).
+    keep_longest = (half_cpu or longest) and tuning.forced_rows() is None
+    # A call without gradients holds none: its tile is all its scratch (0.5 of the
+    # gradients' bytes it does not hold; a plain forward's logits take 1.9×), and each
+    # chunk's logits GEMM streams the whole weight, which the measurement's cache-sized
+    # blocks do not see: a forward runs nearer its GEMM's time the longer its chunks
+    # (docs/journal.md, the forward by blocks of classes).
+    if not gradients and stretch > 1.0 and not half_cpu and tuning.forced_rows() is None:
+        share, stretch, keep_longest = share * stretch, 1.0, True
+    pick = None if keep_longest else tuning.rows
+
+    def chunk_rows(share: float) -> int:
+        return choose_chunk_rows(
+            call._replace(tile_dtype=tile_dtype), tile_count, share, pick, stretch
+        )
+
+    if basis.device.type == "cuda":
+        share = min(
+            share,
+            _cuda_share(basis.device, rows, call.in_features, num_classes, input_dtype),
+        )
+    rows_per_chunk = chunk_rows(share)
+    if weight_grad == "split":
+        # Without the split sum's low-order plane (V·F bytes) its budget goes to the chunks.
+        plane_share = num_classes / ((rows + num_classes) * input_dtype.itemsize)
+        direct_rows = chunk_rows(share + plane_share)
+        if -(-rows // direct_rows) <= DIRECT_SUM_MAX_CHUNKS:
+            weight_grad, weight_grad_dtype, rows_per_chunk = "direct", input_dtype, direct_rows
+    if half:
+        rows_per_step = min(rows_per_chunk, tuning.step_rows(num_classes, HALF_TILE_STEP_ROWS))
+        gemm = basis.gemm
+    else:
+        rows_per_step, gemm = rows_per_chunk, _chunk_layout(basis, rows_per_chunk)
+    return basis.plan(
+        rows_per_chunk,
+        num_classes,
+        rows_per_step=rows_per_step,
+        gemm=gemm,
+        weight_grad=weight_grad,
+        weight_grad_dtype=weight_grad_dtype,
+    )
+
+
+def _chunk_layout(basis: _Basis, rows_per_chunk: int) -> Gemm:
+    """The GEMM backend with the layout of a tile of ``rows_per_chunk`` rows by classes.
+    CUDA's tiles are row-major (each row's classes contiguous: the row kernels' coalesced
+    reads, :mod:`linear_ce.engine.triton_rows`) unless a layout is forced."""
+    forced = basis.tuning.forced_class_major()
+    cuda_layout = False if forced is None else forced
+    if basis.device.type == "cuda":
+        class_major = cuda_layout
+    else:
+        class_major = basis.tuning.class_major(rows_per_chunk)
+    return dataclasses.replace(basis.gemm, class_major=class_major)
 
 
 def _cuda_share(
