@@ -1638,14 +1638,6 @@ _NATIVE_C = "src/linear_ce/engine/native_rows.c"
 _NATIVE_TESTS = ("tests/test_native_rows.py",)
 
 
-def _nan_line(after: str) -> tuple[str, str]:
-    """The edit that drops the line of a row-major kernel making a row's max NaN (stats or
-    fused, told apart by the line ``after`` it); a macro's line, padded to its
-    continuation."""
-    rest = " " * 60 + "\\\n            " + after
-    return "if (nan) m = NAN;" + rest, " " * len("if (nan) m = NAN;") + rest
-
-
 _NATIVE_ROWS: tuple[Mutation, ...] = (
     Mutation(
         "native_rows",
@@ -1777,7 +1769,8 @@ _NATIVE_ROWS: tuple[Mutation, ...] = (
         "native_rows",
         "row-major fused kernel: a NaN logit no longer makes the row max NaN",
         _NATIVE_C,
-        (_nan_line("float s[LANES] = {0};"),),
+        # Blanked to its width, so the macro's line continuation stays where it was.
+        (("if (nan) m = NAN;", " " * len("if (nan) m = NAN;")),),
         _NATIVE_TESTS,
     ),
     Mutation(
@@ -2407,8 +2400,8 @@ _STATS_PASS = (
         _STATS_PASS_FILE,
         (
             (
-                "local = torch.where(owned[b], targets - start, -1)",
-                "local = torch.where(owned[b], targets, -1)",
+                "local = torch.where(owned, targets - block_of * block, -1)",
+                "local = torch.where(owned, targets, -1)",
             ),
         ),
         _STATS_PASS_TESTS,
@@ -2419,8 +2412,8 @@ _STATS_PASS = (
         _STATS_PASS_FILE,
         (
             (
-                "part = loops.stats(tile, scale=scale, target=local, dot=dot)",
-                "part = loops.stats(tile, target=local, dot=dot)",
+                "loops.stats_call(tile, scale=scale, target=local[b], dot=dot, out=sums[b])",
+                "loops.stats_call(tile, target=local[b], dot=dot, out=sums[b])",
             ),
         ),
         _STATS_PASS_TESTS,
