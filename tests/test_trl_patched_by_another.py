@@ -13,7 +13,7 @@ trl = pytest.importorskip("trl", reason="TRL is not installed: pip install 'line
 
 from linear_ce.integrations import trl as lce_trl  # noqa: E402
 
-WRAPPER = '''
+WRAPPER = """
 import functools
 
 def wrap(original):
@@ -22,7 +22,7 @@ def wrap(original):
         return original(*args, **kwargs)
 
     return logged_compute_loss
-'''
+"""
 
 
 def _other_library() -> types.ModuleType:
@@ -66,7 +66,7 @@ def test_a_callable_object_of_another_library_is_named(monkeypatch):
 
     Tracer.__module__ = "otherlib.objects"
     monkeypatch.setattr(trl.DPOTrainer, "_compute_loss", functools.partial(Tracer()))
-    with pytest.raises(lce_trl.UnsupportedTRLVersion, match="otherlib.objects.+Tracer") as error:
+    with pytest.raises(lce_trl.UnsupportedTRLVersion, match=r"otherlib\.objects.+Tracer") as error:
         lce_trl.patch()
     assert "differs" not in str(error.value)
 
@@ -75,5 +75,5 @@ def test_a_changed_trl_still_blames_the_version(monkeypatch):
     """What is TRL's own but not as expected: the version message, as before."""
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", object())
-    with pytest.raises(lce_trl.UnsupportedTRLVersion, match="the installed trl 1.17.0 differs"):
+    with pytest.raises(lce_trl.UnsupportedTRLVersion, match=r"the installed trl 1\.17\.0 differs"):
         lce_trl.patch()
