@@ -313,16 +313,8 @@ def _pair(S, ss_r, ss_c, Tt, st_r, st_c, B, V, cs, ct, rest, log_beta, log_rest,
         z1 = tl.where(bad, float("nan"), z1)
     shift = tl.log(zs) - tl.log(zt) + log_beta - log_rest
     if MODE == 2:
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = rmask[:, None] & (cols < V)[None, :]
-            u = _load(sbase + cols[None, :].to(tl.int64) * ss_c, mask, BF16) * cs - ms[:, None]
-            v = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct - mt[:, None]
-            ea = tl.where(mask, _exp(u), 0.0)
-            eb = tl.where(mask, _exp(v), 0.0)
-            g, hq = _mixture((v - u) + shift[:, None], log_beta, log_rest)
-            c += tl.sum(tl.where(ea == 0.0, 0.0, ea * g), 1)
-            c2 += tl.sum(tl.where(eb == 0.0, 0.0, eb * hq), 1)
+        c, c2 = _mixture_sums(sbase, ss_c, tbase, st_c, rmask, V, cs, ct, ms, mt, shift,
+                              log_beta, log_rest, c, c2, BF16, BLOCK_V)  # fmt: skip
     tg = tl.full([BLOCK_R], -1, tl.int64)
     if HAS_T:
         tg = tl.load(TG + rows, mask=rmask, other=-1)
@@ -337,36 +329,66 @@ def _pair(S, ss_r, ss_c, Tt, st_r, st_c, B, V, cs, ct, rest, log_beta, log_rest,
     tl.store(OUT + 7 * out_stride + rows, u_t, mask=rmask)
     tl.store(OUT + 8 * out_stride + rows, c2, mask=rmask)
     if HAS_W:
-        w = tl.load(W + rows, mask=rmask, other=0.0)
-        # h' (the hard term without a normaliser of its own), the coefficients per row.
-        soft = 0.0
-        if HAS_T and not POWER:
-            soft = h
-        a_s = (w / zs)[:, None]
-        a_t = (-w / zt)[:, None]
-        mu = (c / zs)[:, None]
-        a_z = (w * h * power / z1)[:, None]
-        at_target = (w * h)[:, None]
+        _pair_gradient(sbase, ss_c, tbase, st_c, rows, rmask, V, cs, ct, ms, mt, zs, zt, z1, c,
+                       shift, tg, rest, log_beta, log_rest, power, h, W, MODE, POWER, HAS_T, BF16,
+                       BLOCK_V)  # fmt: skip
+
+
+@triton.jit
+def _mixture_sums(sbase, ss_c, tbase, st_c, rmask, V, cs, ct, ms, mt, shift, log_beta, log_rest,
+                  c, c2, BF16: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """The mixture's two sums over a row pair's classes, a second read of both tiles: its
+    log-ratio needs the whole rows' normalisers, known only after the first."""
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = rmask[:, None] & (cols < V)[None, :]
+        u = _load(sbase + cols[None, :].to(tl.int64) * ss_c, mask, BF16) * cs - ms[:, None]
+        v = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct - mt[:, None]
+        ea = tl.where(mask, _exp(u), 0.0)
+        eb = tl.where(mask, _exp(v), 0.0)
+        g, hq = _mixture((v - u) + shift[:, None], log_beta, log_rest)
+        c += tl.sum(tl.where(ea == 0.0, 0.0, ea * g), 1)
+        c2 += tl.sum(tl.where(eb == 0.0, 0.0, eb * hq), 1)
+    return c, c2
+
+
+@triton.jit
+def _pair_gradient(sbase, ss_c, tbase, st_c, rows, rmask, V, cs, ct, ms, mt, zs, zt, z1, c, shift,
+                   tg, rest, log_beta, log_rest, power, h, W, MODE: tl.constexpr,
+                   POWER: tl.constexpr, HAS_T: tl.constexpr, BF16: tl.constexpr,
+                   BLOCK_V: tl.constexpr):  # fmt: skip
+    """The student's gradient written over its tile, a last read of both tiles, from the
+    row statistics the sums formed."""
+    w = tl.load(W + rows, mask=rmask, other=0.0)
+    # h' (the hard term without a normaliser of its own), the coefficients per row.
+    soft = 0.0
+    if HAS_T and not POWER:
+        soft = h
+    a_s = (w / zs)[:, None]
+    a_t = (-w / zt)[:, None]
+    mu = (c / zs)[:, None]
+    a_z = (w * h * power / z1)[:, None]
+    at_target = (w * h)[:, None]
+    if POWER:
+        at_target = at_target * power
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = rmask[:, None] & (cols < V)[None, :]
+        ptrs = sbase + cols[None, :].to(tl.int64) * ss_c
+        u = _load(ptrs, mask, BF16) * cs - ms[:, None]
+        v = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct - mt[:, None]
+        ea = _exp(u)
+        if MODE == 0:
+            g = a_s * (1.0 + soft) * ea + a_t * _exp(v)
+        elif MODE == 1:
+            g = tl.where(ea == 0.0, 0.0, a_s * ea * (((u - v) - mu) + soft))
+        else:
+            gm, _ = _mixture((v - u) + shift[:, None], log_beta, log_rest)
+            g = tl.where(ea == 0.0, 0.0, a_s * ea * (rest * (gm - mu) + soft))
         if POWER:
-            at_target = at_target * power
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = rmask[:, None] & (cols < V)[None, :]
-            ptrs = sbase + cols[None, :].to(tl.int64) * ss_c
-            u = _load(ptrs, mask, BF16) * cs - ms[:, None]
-            v = _load(tbase + cols[None, :].to(tl.int64) * st_c, mask, BF16) * ct - mt[:, None]
-            ea = _exp(u)
-            if MODE == 0:
-                g = a_s * (1.0 + soft) * ea + a_t * _exp(v)
-            elif MODE == 1:
-                g = tl.where(ea == 0.0, 0.0, a_s * ea * (((u - v) - mu) + soft))
-            else:
-                gm, _ = _mixture((v - u) + shift[:, None], log_beta, log_rest)
-                g = tl.where(ea == 0.0, 0.0, a_s * ea * (rest * (gm - mu) + soft))
-            if POWER:
-                g += a_z * _exp(power * u)
-            g = tl.where(cols[None, :] == tg[:, None], g - at_target, g)
-            _store(ptrs, g, mask, BF16)
+            g += a_z * _exp(power * u)
+        g = tl.where(cols[None, :] == tg[:, None], g - at_target, g)
+        _store(ptrs, g, mask, BF16)
 
 
 stats_kernel = _tuned([])(_stats)
