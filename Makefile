@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make bench` (the benchmark report) and `make test`.
-# Both create .venv on first use and install the package with its dev, transformers and trl extras.
+# Both create .venv on first use and install the package with its dev, docs, transformers and trl extras.
 # torch is pinned to the CPU build that lies on this machine's disk; on a GPU
 # machine install a CUDA torch in .venv yourself and the pin is left alone.
 PYTHON ?= python3
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,transformers,trl]"
+	$(PY) -m pip install -q -e ".[dev,docs,transformers,trl]"
 	touch $(STAMP)
 
 # The suite runs with the fixed-rule plan (LINEAR_CE_MEASURE=0): a measured plan depends on the
@@ -91,9 +91,8 @@ bench: $(STAMP)
 
 # The docs site (mkdocs.yml) into build/site: README.md as the front page, the guides of docs/,
 # a reference page per public name. --strict: a warning (a broken link or anchor, a docstring
-# griffe cannot read) fails the build. The docs extra is installed on first use.
+# griffe cannot read) fails the build.
 docs: $(STAMP)
-	$(PY) -c "import mkdocstrings_handlers.python, material" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Not part of `make test`: applies each deliberate mistake of scripts/mutate.py to a
