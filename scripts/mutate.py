@@ -243,6 +243,13 @@ _LOSS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "loss",
+        "capability check: a oneDNN capped below the dtype's instructions still native",
+        "src/linear_ce/engine/capability.py",
+        (("    if not _onednn_allows(dtype):\n        return False\n", ""),),
+        ("tests/test_capability.py",),
+    ),
+    Mutation(
+        "loss",
         'one chunk for reduction="none"',
         "src/linear_ce/ops/cross_entropy.py",
         (

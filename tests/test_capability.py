@@ -57,7 +57,35 @@ def test_bf16_answer_agrees_with_torchs_cpu_query(monkeypatch):
     if None in query or not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no CPU-feature query for bf16 (or no oneDNN)")
     monkeypatch.delenv(NATIVE_HALF_GEMM_ENV, raising=False)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
     assert native_half_gemm(torch.bfloat16, CPU) is any(ask() for ask in query)
+
+
+@pytest.mark.parametrize(
+    ("cap", "bf16", "fp16"),
+    [
+        ("AVX2", False, False),
+        ("avx512_core_vnni", False, False),
+        ("AVX512_CORE_BF16", None, False),
+        ("avx10_1_512", None, None),
+        ("AVX512_CORE_AMX", None, None),
+        ("ALL", None, None),
+        ("", None, None),
+    ],
+)
+def test_a_capped_onednn_is_not_native(monkeypatch, cap, bf16, fp16):
+    """oneDNN capped below a half dtype's instructions (``ONEDNN_MAX_CPU_ISA``, how the
+    suite reproduces an AVX2-only CPU) emulates its GEMMs whatever the CPU's flags say;
+    ``None``: the uncapped answer (the flags')."""
+    monkeypatch.delenv(NATIVE_HALF_GEMM_ENV, raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    flags = {dtype: native_half_gemm(dtype, CPU) for dtype in HALF}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    for dtype, expected in ((torch.bfloat16, bf16), (torch.float16, fp16)):
+        want = flags[dtype] if expected is None else expected
+        assert native_half_gemm(dtype, CPU) is want, (cap, dtype)
 
 
 def test_amx_fp16_means_native_fp16(monkeypatch):

@@ -16,6 +16,7 @@ promise is :func:`linear_ce.engine.machine.half_gemm_pays`'s answer: measured un
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -40,6 +41,33 @@ _CPU_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
+
+
+# oneDNN's instruction sets in rising order (its names for ONEDNN_MAX_CPU_ISA; the avx10
+# names alias the ones before them), and the lowest that holds each half dtype's GEMM.
+_ONEDNN_ISAS = (
+    "sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni",
+    "avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16",
+)  # fmt: skip
+_ONEDNN_ALIASES = {
+    "avx10_1_512": "avx512_core_fp16",
+    "avx10_1_512_amx": "avx512_core_amx",
+    "avx10_1_512_amx_fp16": "avx512_core_amx_fp16",
+}
+_ONEDNN_LOWEST = {torch.bfloat16: "avx512_core_bf16", torch.float16: "avx512_core_fp16"}
+
+
+def _onednn_allows(dtype: torch.dtype) -> bool:
+    """False where ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps
+    oneDNN below the instructions of ``dtype``'s native GEMM: oneDNN then emulates it,
+    whatever the CPU's flags say (how an AVX2-only CPU is reproduced on a newer one). An
+    unknown name, ``ALL`` or ``DEFAULT`` caps nothing."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    cap = cap.strip().lower()
+    cap = _ONEDNN_ALIASES.get(cap, cap)
+    if cap not in _ONEDNN_ISAS:
+        return True
+    return _ONEDNN_ISAS.index(cap) >= _ONEDNN_ISAS.index(_ONEDNN_LOWEST[dtype])
 
 
 def cpu_flags() -> frozenset[str]:
@@ -85,8 +113,9 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """True where ``torch.mm`` of two ``dtype`` (fp16/bf16) matrices runs natively.
 
     CUDA: always. CPU: when the CPU advertises the instructions oneDNN uses
-    (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer),
-    unless ``LINEAR_CE_NATIVE_HALF_GEMM=0`` (see the module doc).
+    (Linux ``/proc/cpuinfo`` flags; elsewhere ``False``, the safe answer) and
+    ``ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below them, unless
+    ``LINEAR_CE_NATIVE_HALF_GEMM=0`` (see the module doc).
     (This is whether they exist; :func:`linear_ce.engine.machine.half_gemm_pays` decides
     whether the plan takes them.)
 
@@ -100,6 +129,8 @@ def native_half_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     if device.type != "cpu" or not _detect_on_cpu() or not torch.backends.mkldnn.is_available():
+        return False
+    if not _onednn_allows(dtype):
         return False
     return any(flag in _cpu_flags() for flag in _CPU_FLAGS[dtype])
 
