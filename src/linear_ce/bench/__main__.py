@@ -36,6 +36,18 @@ _DEFAULT_SWEEP = "V=4096,8192,32768"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments, each list parsed and checked (a bad one is the
+    parser's usage error, naming the option)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        _parsed_lists(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m linear_ce.bench",
         description="Time and memory of linear_ce against the GEMM floor and its peers.",
@@ -119,35 +131,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="measure nothing: print the table and draw --plot from a stored run's JSON",
     )
-    args = parser.parse_args(argv)
-    try:
-        args.shape_list = config.parse_shapes(args.shapes)
-        args.dtype_list = config.parse_dtypes(args.dtype)
-        args.sweep_spec = config.parse_sweep(args.sweep)
-        args.ignored_list = config.parse_fractions(args.ignored)
-        args.head_list = config.parse_heads(args.heads)
-        args.reduction_list = config.parse_reductions(args.reductions)
-        args.extra_dtypes = (
-            args.dtype_list[:1]
-            if args.extra_dtype is None
-            else config.parse_dtypes(args.extra_dtype)
-        )
-        args.sweep_dtypes = (
-            args.dtype_list[:1]
-            if args.sweep_dtype is None
-            else config.parse_dtypes(args.sweep_dtype)
-        )
-        args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown = [v for v in args.variant_list if v not in VARIANTS]
-        if unknown or not args.variant_list:
-            raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-        if args.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be 'cpu' or 'cuda', got {args.device!r}")
-    except ValueError as error:
-        parser.error(str(error))
-    return args
+    return parser
+
+
+def _parsed_lists(args: argparse.Namespace) -> None:
+    """Sets ``args``' parsed lists; a ``ValueError`` names the option that is wrong."""
+    args.shape_list = config.parse_shapes(args.shapes)
+    args.dtype_list = config.parse_dtypes(args.dtype)
+    args.sweep_spec = config.parse_sweep(args.sweep)
+    args.ignored_list = config.parse_fractions(args.ignored)
+    args.head_list = config.parse_heads(args.heads)
+    args.reduction_list = config.parse_reductions(args.reductions)
+    args.extra_dtypes = (
+        args.dtype_list[:1] if args.extra_dtype is None else config.parse_dtypes(args.extra_dtype)
+    )
+    args.sweep_dtypes = (
+        args.dtype_list[:1] if args.sweep_dtype is None else config.parse_dtypes(args.sweep_dtype)
+    )
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variant_list if v not in VARIANTS]
+    if unknown or not args.variant_list:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu' or 'cuda', got {args.device!r}")
 
 
 def _title(meta: dict) -> str:
