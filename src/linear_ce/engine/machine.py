@@ -111,7 +111,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import threading
 import time
 import warnings
@@ -121,6 +120,7 @@ import torch
 
 from linear_ce.engine.capability import HALF_DTYPES, cpu_flags, native_half_mode
 from linear_ce.engine.environment import cache_dir, read
+from linear_ce.engine.stored_json import write_json
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -495,16 +495,7 @@ def _write_atomically(path: Path, rates: dict[str, list[float]]) -> None:
     }
     # Private to its user (the compiled row loops are loaded from it too).
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=0, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_json(path, data, indent=0, sort_keys=True)
 
 
 _STORE = _Store()

@@ -95,6 +95,7 @@ import torch
 
 from linear_ce.engine.capability import cpu_flags
 from linear_ce.engine.environment import BUILD_TIMEOUT_ENV, cache_dir, default_cache_dir, read
+from linear_ce.engine.stored_json import write_json
 
 __all__ = ["NATIVE_ROWS_ENV", "NativeRows", "PairSums", "RowSums", "native_mode", "native_rows"]
 
@@ -668,27 +669,8 @@ def _build(path: Path, source: str, compiler: list[str], timeout: float) -> ctyp
         # the disk before the rename, the rename before the record that vouches for it.
         library = ctypes.CDLL(str(built))
         os.replace(built, path)
-        _write_record(_record_path(path), {"sha256": sha, "bytes": size})
+        write_json(_record_path(path), {"sha256": sha, "bytes": size})
     return library
-
-
-def _write_record(path: Path, record: dict) -> None:
-    """``record`` as JSON in ``path``, atomically: the whole file or the one before."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(record, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def native_rows(dtype: torch.dtype) -> NativeRows | None:
